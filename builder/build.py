@@ -1,0 +1,208 @@
+"""`kiln build`: checkpoint -> engine directory.
+
+load config -> map names -> fuse (qkv, gate_up) -> cast -> write rank0.safetensors (streamed, one
+tensor in memory at a time) -> copy tokenizer -> engine.json with the manifest. The engine is built in a
+temporary directory next to the output and moved into place at the end, so a failed build never leaves
+something that looks like an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import platform
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kiln
+from kiln.model_defs import ModelConfig, ModelDef, model_def_for_hf_config
+
+from .build_config import BuildConfig
+from .checkpoint import CheckpointError, CheckpointReader
+from .dummy_weights import dummy_tensor
+from .engine_format import ENGINE_JSON, FileEntry, file_entry, rank_file_name, write_engine_json
+from .safetensors_writer import TensorSpec, write_safetensors_streaming
+
+logger = logging.getLogger("kiln.builder")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+class BuildError(Exception):
+    """A build that cannot proceed; the message names the file, tensor or setting."""
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BuildError(f"{what} {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise BuildError(f"cannot read {what} {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise BuildError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def load_model_config(checkpoint: Path) -> tuple[ModelDef, ModelConfig]:
+    """The checkpoint's config.json (+ generation_config.json's EOS ids) as a ModelConfig."""
+    raw = read_json(checkpoint / "config.json", "config")
+    try:
+        model_def = model_def_for_hf_config(raw)
+        config = model_def.parse_config(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise BuildError(f"{checkpoint / 'config.json'}: {e}") from e
+    gen_path = checkpoint / "generation_config.json"
+    if gen_path.exists():
+        gen = read_json(gen_path, "generation config")
+        from kiln.model_defs.config import token_id_list
+
+        if gen.get("eos_token_id") is not None:
+            config = dataclasses.replace(config, eos_token_ids=token_id_list(gen["eos_token_id"]))
+        if gen.get("bos_token_id") is not None:
+            config = dataclasses.replace(config, bos_token_id=gen["bos_token_id"])
+    return model_def, config
+
+
+def resolve_dtype(requested: str, config: ModelConfig) -> str:
+    if requested != "auto":
+        return requested
+    if config.torch_dtype in DTYPES:
+        return config.torch_dtype
+    return "float32"
+
+
+def target_of(device: str) -> dict[str, Any]:
+    target: dict[str, Any] = {"device_type": device, "gpu_name": None, "compute_capability": None,
+                              "torch_version": torch.__version__, "triton_version": None, "kernel_settings": {},
+                              "host": platform.machine()}
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise BuildError("--device cuda was asked for but no CUDA device is available")
+        target["gpu_name"] = torch.cuda.get_device_name()
+        target["compute_capability"] = list(torch.cuda.get_device_capability())
+        try:
+            import triton
+
+            target["triton_version"] = triton.__version__
+        except ImportError:
+            pass
+    return target
+
+
+def param_specs(model_def: ModelDef, config: ModelConfig, dtype: torch.dtype) -> list[TensorSpec]:
+    """Names and shapes of every engine parameter, from the network built on the meta device."""
+    with torch.device("meta"):
+        model = model_def.model_class(config)
+    return [TensorSpec(name, dtype, tuple(t.shape)) for name, t in model.state_dict().items()]
+
+
+def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef,
+                        specs: list[TensorSpec]) -> Callable[[TensorSpec], torch.Tensor]:
+    """Checks up front that every source tensor exists with the right shape, then returns a function
+    that fuses and casts one engine parameter at a time."""
+    missing = [src for s in specs for src in model_def.sources(s.name) if src not in reader]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise BuildError(f"checkpoint {reader.checkpoint_dir} lacks tensors the model needs: {shown}")
+    for s in specs:
+        shapes = [reader.shape(src) for src in model_def.sources(s.name)]
+        fused = (sum(sh[0] for sh in shapes), *shapes[0][1:]) if shapes[0] else ()
+        if fused != s.shape or any(sh[1:] != shapes[0][1:] for sh in shapes):
+            raise BuildError(
+                f"checkpoint tensor(s) {model_def.sources(s.name)} have shapes {shapes}, but config.json implies "
+                f"{s.name} of shape {list(s.shape)}; does config.json belong to these weights?"
+            )
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        parts = [reader.get(src).to(spec.dtype) for src in model_def.sources(spec.name)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    return produce
+
+
+def copy_tokenizer(checkpoint: Path, engine: Path) -> dict[str, FileEntry]:
+    present = [name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
+    if not any(n in present for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        logger.warning("checkpoint %s has no tokenizer files: the engine will accept token ids only", checkpoint)
+        return {}
+    (engine / "tokenizer").mkdir()
+    files = {}
+    for name in present:
+        shutil.copy2(checkpoint / name, engine / "tokenizer" / name)
+        files[f"tokenizer/{name}"] = file_entry(engine / "tokenizer" / name)
+    return files
+
+
+def _prepare_output(output: Path) -> Path:
+    if output.exists() and not output.is_dir():
+        raise BuildError(f"output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not (output / ENGINE_JSON).exists():
+        raise BuildError(f"output {output} is a non-empty directory that is not an engine; choose another")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.building"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: BuildConfig | None = None,
+                 *, progress: bool = True) -> Path:
+    """Builds an engine from a Hugging Face checkpoint directory; returns the engine directory."""
+    start = time.perf_counter()
+    config = config or BuildConfig()
+    checkpoint, output = Path(checkpoint_dir), Path(output_dir)
+    if not checkpoint.is_dir():
+        raise BuildError(f"checkpoint directory {checkpoint} does not exist")
+    model_def, model_config = load_model_config(checkpoint)
+    dtype_name = resolve_dtype(config.dtype, model_config)
+    max_seq_len = config.max_seq_len or model_config.max_position_embeddings
+    target = target_of(config.device)
+    specs = param_specs(model_def, model_config, DTYPES[dtype_name])
+
+    staging = _prepare_output(output)
+    try:
+        if config.dummy_weights:
+            produce = lambda spec: dummy_tensor(spec, config.seed)  # noqa: E731
+            reader = None
+        else:
+            try:
+                reader = CheckpointReader(checkpoint)
+            except CheckpointError as e:
+                raise BuildError(str(e)) from e
+            produce = checkpoint_producer(reader, model_def, specs)
+        try:
+            written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
+                                                  metadata={"format": "pt", "kiln_rank": "0"}, progress=progress,
+                                                  desc="writing rank0")
+        except CheckpointError as e:
+            raise BuildError(str(e)) from e
+        finally:
+            if reader is not None:
+                reader.close()
+        files = {rank_file_name(0): FileEntry(written.size, written.sha256), **copy_tokenizer(checkpoint, staging)}
+        build = {"dtype": dtype_name, "max_batch_size": config.max_batch_size,
+                 "max_num_tokens": config.max_num_tokens, "max_seq_len": max_seq_len,
+                 "kv_block_size": config.kv_block_size, "quantization": None, "kv_cache_dtype": dtype_name,
+                 "dummy_weights": config.dummy_weights}
+        write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),
+                          build_config=build, mapping={"tp_size": 1, "num_ranks": 1}, target=target, files=files,
+                          kiln_version=kiln.__version__)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,
+                time.perf_counter() - start)
+    return output

@@ -1,0 +1,39 @@
+"""The settings of one `kiln build`, typed and checked."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+DEVICE_CHOICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Upper bounds the runtime may lower but never raise, plus how the weights are stored."""
+
+    dtype: str = "auto"  # auto = the checkpoint's torch_dtype (float32 when it names none)
+    device: str = "cpu"  # the device type the engine targets
+    max_batch_size: int = 64  # requests per step
+    max_num_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_seq_len: int | None = None  # prompt + output; None = the model's max_position_embeddings
+    kv_block_size: int = 16  # tokens per KV-cache block
+    dummy_weights: bool = False  # random weights from config.json alone (benchmarks)
+    seed: int = 0  # for dummy weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device={self.device!r} must be one of {', '.join(DEVICE_CHOICES)}")
+        for name in ("max_batch_size", "max_num_tokens", "kv_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
+            raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
+        if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > 256:
+            raise ValueError(f"kv_block_size={self.kv_block_size} must be a power of two up to 256")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,180 @@
+"""The normalized model configuration: what kiln needs of a Hugging Face config.json, typed and checked.
+
+Model files turn a raw config.json dict into a ModelConfig (see `parse_decoder_config`); the engine stores
+`ModelConfig.to_dict()` in engine.json and the runtime reads it back with `ModelConfig.from_dict`, so the
+runtime never needs transformers' config classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint config that kiln cannot build; the message names the field and value."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings. `factor` and the llama3 fields apply only to their rope_type."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelConfigError(
+                f"rope_scaling type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.theta <= 0 or self.factor <= 0:
+            raise ModelConfigError(f"rope theta and factor must be > 0, got {self.theta} and {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: 0 = full causal attention, W > 0 = each token sees the last W tokens (itself included).
+    layer_sliding_windows: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    # From generation_config.json when the checkpoint has one, else config.json.
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "max_position_embeddings"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"config field {f}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.layer_sliding_windows:
+            object.__setattr__(self, "layer_sliding_windows", (0,) * self.num_layers)
+        if len(self.layer_sliding_windows) != self.num_layers:
+            raise ModelConfigError(
+                f"{len(self.layer_sliding_windows)} layer attention types for {self.num_layers} layers"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layer_sliding_windows"] = list(self.layer_sliding_windows)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ModelConfigError(f"unknown model_config fields {sorted(unknown)}")
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        d["layer_sliding_windows"] = tuple(d.get("layer_sliding_windows", ()))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def token_id_list(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` field (int, list of ints or None) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _get(raw: dict[str, Any], key: str, default: Any = ...) -> Any:
+    if key in raw and raw[key] is not None:
+        return raw[key]
+    if default is ...:
+        raise ModelConfigError(f"config.json lacks the required field {key!r}")
+    return default
+
+
+def parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    """Reads rope settings from either layout: transformers 5 (`rope_parameters`) or older
+    (`rope_theta` + `rope_scaling`)."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in params:
+        raise ModelConfigError(f"rope scaling {rope_type!r} needs a 'factor'")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=theta,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 0))
+        ),
+    )
+
+
+def parse_decoder_config(
+    raw: dict[str, Any],
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: bool = False,
+    layer_sliding_windows: tuple[int, ...] = (),
+) -> ModelConfig:
+    """The fields every Llama-like decoder shares; the model file decides biases, norms and windows."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")
+    hidden = _get(raw, "hidden_size")
+    heads = _get(raw, "num_attention_heads")
+    dtype = raw.get("torch_dtype", raw.get("dtype"))
+    return ModelConfig(
+        architecture=raw["architectures"][0],
+        vocab_size=_get(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_get(raw, "intermediate_size"),
+        num_layers=_get(raw, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", heads),
+        head_dim=_get(raw, "head_dim", hidden // heads),
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=_get(raw, "max_position_embeddings", 2048),
+        rope=parse_rope(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+        layer_sliding_windows=layer_sliding_windows,
+        torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        eos_token_ids=token_id_list(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+    )

@@ -1,0 +1,48 @@
+"""Self-attention with fused QKV, optional per-head q/k RMSNorm (Qwen3), rotary, paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.plugins import paged_attention, rotary_embedding, write_kv_cache
+
+from ..config import ModelConfig
+from .context import ForwardContext
+from .norm import RMSNorm
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.layer_sliding_windows[layer_index]
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)  # [q; k; v] rows
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, D/2] float32
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary_embedding(q, k, cos, sin)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              self.scale, self.sliding_window)  # [T, Hq, D]
+        return self.o_proj(out.view(num_tokens, -1))

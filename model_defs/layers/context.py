@@ -1,0 +1,23 @@
+"""What one forward step needs besides the token ids: positions and the paged-KV metadata.
+
+The model runner builds it from the scheduler's plain data; every tensor lives on the model's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    positions: torch.Tensor  # [T] int64: position of each packed token in its sequence
+    # [T] int64: the sequence length dynamic-NTK rope scales for, max(position + 1, prompt length),
+    # which is what Hugging Face uses when it generates one sequence; other rope types ignore it.
+    rope_lengths: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset) of each token
+    block_tables: torch.Tensor  # [S, max_blocks] int32: cache blocks of each sequence
+    seq_lens: torch.Tensor  # [S] int32: tokens of each sequence in the cache after this step
+    query_start_loc: torch.Tensor  # [S+1] int32: where each sequence's tokens start in the packed batch
+    kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v): [N, block_size, Hk, D]

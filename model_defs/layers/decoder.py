@@ -1,0 +1,79 @@
+"""The Llama-family decoder: the one network behind every model file (Llama, Mistral, Qwen2, Qwen3).
+
+Parameter names follow Hugging Face's module tree, except that q/k/v and gate/up projections are fused
+(`qkv_proj`, `gate_up_proj`); `fusion.py` says which checkpoint tensors each fused one is made of.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import Attention
+from .context import ForwardContext
+from .mlp import GatedMLP
+from .norm import RMSNorm
+from .rotary import RotaryTables
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, H]. The residual add of the previous sublayer is fused into this norm.
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, ctx, cos, sin)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """input_ids: [T] (packed tokens of many sequences) -> hidden states [T, H]; logits on demand."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(config)
+        # Tied models read the embedding matrix; the engine stores it once.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryTables | None = None
+
+    def setup_rotary(self, max_positions: int, device: torch.device | str) -> None:
+        """Builds the rotary tables on the runtime device; call once after loading weights."""
+        c = self.config
+        self.rotary = RotaryTables(c.rope, c.head_dim, c.max_position_embeddings, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.rotary is None:
+            raise RuntimeError("call setup_rotary() before the first forward")
+        cos, sin = self.rotary.lookup(ctx.positions, ctx.rope_lengths)  # [T, D/2] each
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, ctx, cos, sin)
+        x, _ = self.model.norm.add_and_norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits: [N, V] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

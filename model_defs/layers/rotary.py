@@ -1,0 +1,81 @@
+"""Rotary angle tables for each rope scaling scheme (default, linear, dynamic NTK, llama3).
+
+Frequencies are computed exactly as Hugging Face computes them (same float32 operations), so rotated
+queries and keys match transformers bit for bit on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
+                        seq_len: int | None = None) -> torch.Tensor:
+    """inv_freq: [head_dim / 2] float32. `seq_len` matters only for dynamic NTK scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    base = rope.theta
+    if rope.rope_type == "dynamic":
+        # NTK-aware: grow the base once the sequence outgrows the trained context.
+        # Same float32 tensor arithmetic as transformers, so the base rounds the same way.
+        if seq_len is not None and seq_len > max_position_embeddings:
+            length = torch.tensor(seq_len, dtype=torch.int64)
+            base = base * ((rope.factor * length / max_position_embeddings) - (rope.factor - 1)) ** (
+                head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryTables:
+    """cos/sin per token for one model. Built once on the runtime's device for max_positions."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_positions: int,
+                 device: torch.device | str) -> None:
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq = inverse_frequencies(rope, head_dim, max_position_embeddings).to(device)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, D/2] float32
+        # Allocated once; read by index every step (and by captured graphs later).
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def lookup(self, positions: torch.Tensor, rope_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions, rope_lengths: [T] int64 -> cos, sin: [T, D/2] float32."""
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        if self.rope.rope_type != "dynamic":
+            return cos, sin
+        # Dynamic NTK: tokens of sequences longer than the trained context use a larger base.
+        long = rope_lengths > self.max_position_embeddings
+        if not bool(long.any()):
+            return cos, sin
+        cos, sin = cos.clone(), sin.clone()
+        for length in rope_lengths[long].unique().tolist():
+            rows = (rope_lengths == length).nonzero().squeeze(1)
+            inv_freq = inverse_frequencies(self.rope, self.head_dim, self.max_position_embeddings, length)
+            freqs = torch.outer(positions[rows].float(), inv_freq.to(positions.device))
+            cos[rows] = freqs.cos()
+            sin[rows] = freqs.sin()
+        return cos, sin

@@ -1,0 +1,11 @@
+"""Custom operators ("plugins"), each a torch.library op with a PyTorch reference (CPU, the tests' oracle)
+and, where registered, a GPU kernel. Call the wrappers below: they check arguments before launching."""
+
+from .activation import silu_and_mul
+from .attention import paged_attention
+from .kv_cache import write_kv_cache
+from .norm import fused_add_rms_norm, rms_norm
+from .rotary import rotary_embedding
+
+__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+           "write_kv_cache"]

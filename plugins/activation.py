@@ -1,0 +1,34 @@
+"""SiLU-and-mul: the gated activation of Llama-family MLPs on the fused gate_up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2*I] = [gate | up] -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_reference(x)
+
+
+@_silu_and_mul_op.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dim. x: [T, 2*I] -> [T, I]."""
+    check_dims("x", x, 2)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_last_dim_contiguous("x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[-1]}")
+    return _silu_and_mul_op(x)

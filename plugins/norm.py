@@ -1,0 +1,70 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+Both normalize in float32 and scale by the weight in the input dtype, exactly as Hugging Face's
+LlamaRMSNorm does, so outputs match transformers bit for bit on the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_same_device, check_size
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., H]; weight: [H]
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_reference(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+@_fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("weight", weight, (x.dtype,))
+    check_size("weight", weight, 0, x.shape[-1], "hidden size of x")
+    check_same_device(x=x, weight=weight)
+    check_last_dim_contiguous("x", x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. x: [..., H]; weight: [H] (same dtype) -> [..., H]."""
+    _check(x, weight)
+    return _rms_norm_op(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adds the residual and normalizes: returns (rms_norm(x + residual), x + residual).
+
+    x, residual: [T, H] same dtype; weight: [H].
+    """
+    _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}"
+        )
+    return _fused_add_rms_norm_op(x, residual, weight, eps)

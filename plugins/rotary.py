@@ -1,0 +1,63 @@
+"""Rotary position embedding (GPT-NeoX / Hugging Face "rotate_half" layout) applied to q and k.
+
+The caller supplies cos/sin per token, so every scaling scheme (linear, dynamic NTK, llama3) is just a
+different table: the operator never needs to know which one produced it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous, check_size
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D] already in x.dtype
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_embedding_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [T, Hq, D]; k: [T, Hk, D]; cos, sin: [T, D/2] float32
+    # Hugging Face casts the float32 table to the activation dtype before rotating; so do we.
+    cos_full = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
+    sin_full = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos_full, sin_full), _rotate(k, cos_full, sin_full)
+
+
+@torch.library.custom_op("kiln::rotary_embedding", mutates_args=())
+def _rotary_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_embedding_reference(q, k, cos, sin)
+
+
+@_rotary_op.register_fake
+def _(q, k, cos, sin):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
+    check_dims("q", q, 3)
+    check_dims("k", k, 3)
+    check_dims("cos", cos, 2)
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_dtype("k", k, (q.dtype,))
+    check_dtype("cos", cos, (torch.float32,))
+    check_dtype("sin", sin, (torch.float32,))
+    head_dim = q.shape[-1]
+    if head_dim % 2 or k.shape[-1] != head_dim:
+        raise ValueError(f"q and k need the same even head dim, got {head_dim} and {k.shape[-1]}")
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        check_size(name, t, 0, q.shape[0], "tokens in q")
+    check_size("cos", cos, 1, head_dim // 2, "half the head dim")
+    check_size("sin", sin, 1, head_dim // 2, "half the head dim")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("k", k)
+    return _rotary_op(q, k, cos, sin)

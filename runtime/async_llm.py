@@ -1,0 +1,163 @@
+"""An asyncio front for the engine: many coroutines generate at once from one event loop.
+
+The engine runs in one background thread (model steps release the GIL, so the event loop stays
+responsive); coroutines talk to it through a command queue and receive their outputs through
+per-request asyncio queues. Leaving a `generate` iteration early (a client that went away) aborts the
+request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from .engine import LLMEngine, Prompt
+from .engine_loader import load_engine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln.runtime")
+
+
+class AsyncLLM:
+    def __init__(self, engine_dir: str | Path, **load_kwargs: Any) -> None:
+        loaded, runtime = load_engine(engine_dir, **load_kwargs)
+        self.engine = LLMEngine(loaded, runtime)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # request id -> (its event loop, its output queue); touched only by the engine thread
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs for one request as it advances; the last one has `finished` set.
+        Invalid input raises ValueError (naming the field) before anything is queued."""
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("add", prompt, sampling_params, request_id, loop, sink, added))
+        request_id = await asyncio.wrap_future(added)
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._send(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("abort", request_id, done))
+        return await asyncio.wrap_future(done)
+
+    async def call(self, fn, *args):
+        """Runs fn(engine, *args) on the engine thread (e.g. to read stats consistently)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, args, done))
+        return await asyncio.wrap_future(done)
+
+    def kv_cache_stats(self) -> dict[str, int]:
+        """A snapshot; reads plain counters, safe from any thread."""
+        return self.engine.kv_cache_stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Aborts what is running and stops the engine thread."""
+        if self._thread.is_alive():
+            self._send(("stop",))
+            self._thread.join(timeout)
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        if self._stopped.is_set():
+            raise RuntimeError(f"the engine has stopped{': ' + repr(self._error) if self._error else ''}")
+        self._commands.put(command)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block for work when idle; otherwise take what has arrived and step.
+                block = not self.engine.has_unfinished()
+                while True:
+                    try:
+                        command = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if command[0] == "stop":
+                        self._abort_all()
+                        return
+                    self._handle(command)
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as e:  # a crashed engine must not leave coroutines waiting forever
+            logger.exception("engine thread failed")
+            self._error = e
+            for loop, sink in self._sinks.values():
+                loop.call_soon_threadsafe(sink.put_nowait, RuntimeError(f"engine failed: {e!r}"))
+            self._sinks.clear()
+        finally:
+            self._stopped.set()
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, prompt, params, request_id, loop, sink, added = command
+            try:
+                request_id = self.engine.add_request(prompt, params, request_id)
+            except (ValueError, TypeError) as e:
+                added.set_exception(e)
+                return
+            self._sinks[request_id] = (loop, sink)
+            added.set_result(request_id)
+        elif kind == "abort":
+            _, request_id, done = command
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)
+            if done is not None:
+                done.set_result(out)
+        elif kind == "call":
+            _, fn, args, done = command
+            try:
+                done.set_result(fn(self.engine, *args))
+            except Exception as e:
+                done.set_exception(e)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._sinks.get(out.request_id)
+        if target is None:
+            return
+        if out.finished:
+            del self._sinks[out.request_id]
+        loop, sink = target
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed; nobody is listening any more
+            if not out.finished:
+                self.engine.abort(out.request_id)
+                self._sinks.pop(out.request_id, None)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._sinks):
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)

@@ -1,0 +1,110 @@
+"""Incremental detokenization and stop-string matching for one request (plain Python, no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Prompt tokens kept as decoding context, so the first output token decodes as it does mid-text
+# (SentencePiece/Llama tokenizers drop the leading space of the first token of a decode).
+_PROMPT_CONTEXT_TOKENS = 5
+# Byte-level BPE decodes an incomplete UTF-8 sequence to this; such text is not final yet.
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text, one token at a time, for one request.
+
+    Uses the prefix_offset/read_offset algorithm of vLLM and TGI: each step decodes
+    `tokens[prefix_offset:]` and `tokens[prefix_offset:read_offset]` and emits the difference, unless
+    it ends in an incomplete character. `tokens` starts with the last few prompt tokens as context.
+
+    `tokenizer` is a Hugging Face tokenizer, or None (an engine without tokenizer files): then the
+    text stays "" and no stop string ever matches.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._skip_special_tokens = skip_special_tokens
+        # A stop string can straddle the old and the new text by at most this many characters,
+        # and streaming holds back this many so nothing shown is cut later.
+        self._stop_overlap = max((len(s) for s in self._stop), default=1) - 1
+        self._tokens: list[int] = []
+        if tokenizer is not None:
+            self._tokens = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+            if self._decode(self._tokens).endswith(_REPLACEMENT_CHAR):
+                # The prompt ends inside a character: its bytes would merge with the first output
+                # bytes, and the output text would no longer equal decoding the output ids alone.
+                self._tokens = []
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self._emitted = ""  # final text: decoded up to read_offset, never changes except the stop cut
+        self._pending = ""  # decoded text past read_offset that ends in an incomplete character
+        self._stop_matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All output text decoded so far (cut right before the stop string when one matched).
+
+        Includes a trailing incomplete character (decoded as "\\ufffd") if the tokens so far end in
+        one, so that when the request ends, `text` equals decoding all output ids at once.
+        """
+        return self._emitted + self._pending
+
+    @property
+    def stop_matched(self) -> str | None:
+        """The stop string that ended the text, or None."""
+        return self._stop_matched
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one output token; return the stop string it completed, if any, else None.
+
+        After a match the text ends right before the stop string and this must not be called again.
+        """
+        if self._stop_matched is not None:
+            raise RuntimeError(
+                f"add_token after stop string {self._stop_matched!r} matched; the request is finished"
+            )
+        if self._tokenizer is None:
+            return None
+        self._tokens.append(token_id)
+        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset:])
+        new_text = full_text[len(prefix_text):]
+        if full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
+            # Not final yet (half a character, or nothing new): wait for more tokens.
+            self._pending = new_text
+            return None
+        self._pending = ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        search_from = max(0, len(self._emitted) - self._stop_overlap)
+        self._emitted += new_text
+        return self._find_stop(search_from)
+
+    def readable_text(self, finished: bool) -> str:
+        """The text that is safe to stream now.
+
+        While not finished, holds back the last (longest stop string - 1) characters, and any
+        incomplete character, so no character shown is ever cut or changed later. Once finished (or
+        stopped), the whole text.
+        """
+        if finished or self._stop_matched is not None:
+            return self.text
+        return self._emitted[:max(0, len(self._emitted) - self._stop_overlap)]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
+
+    def _find_stop(self, search_from: int) -> str | None:
+        """Cut the text before the earliest stop string starting at or after `search_from`."""
+        best_index, best_stop = -1, None
+        for stop in self._stop:
+            index = self._emitted.find(stop, search_from)
+            if index != -1 and (best_stop is None or index < best_index):
+                best_index, best_stop = index, stop
+        if best_stop is not None:
+            self._emitted = self._emitted[:best_index]
+            self._stop_matched = best_stop
+        return best_stop

@@ -1,0 +1,123 @@
+"""The Python API: `LLM(engine_dir).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .engine import LLMEngine, Prompt
+from .engine_loader import load_engine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A string or a list of token ids is one prompt; a list of those is many."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts; pass one, or one per prompt")
+    return params
+
+
+class LLM:
+    """An engine loaded for generation in this process.
+
+    Runtime limits default to what the engine was built with and may only be lowered. `num_kv_blocks`
+    defaults to what the device's free memory allows, up to max_batch_size sequences of max_seq_len.
+    """
+
+    def __init__(self, engine_dir: str | Path, *, device: str | torch.device | None = None,
+                 max_batch_size: int | None = None, max_num_tokens: int | None = None,
+                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 verify_checksums: bool = False) -> None:
+        loaded, runtime = load_engine(engine_dir, device=device, max_batch_size=max_batch_size,
+                                      max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      verify_checksums=verify_checksums)
+        self.engine = LLMEngine(loaded, runtime)
+        self._aborted: list[RequestOutput] = []  # final outputs of abort() calls, for stream() to yield
+        self._streamed: set[str] = set()  # requests some stream() is iterating over
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _add_all(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+        prompt_list = normalize_prompts(prompts)
+        params = normalize_params(sampling_params, len(prompt_list))
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+                try:
+                    ids.append(self.engine.add_request(prompt, p))
+                except ValueError as e:
+                    if len(prompt_list) > 1:
+                        raise ValueError(f"prompt {i}: {e}") from None
+                    raise
+        except BaseException:
+            for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
+                self.engine.abort(request_id)
+            raise
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs the prompts to completion with in-flight batching; outputs come in prompt order."""
+        ids = self._add_all(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for request_id in ids:
+                if request_id not in final:
+                    self.engine.abort(request_id)
+            raise
+        return [final[i] for i in ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yields a cumulative RequestOutput each time a request advances, until all have finished.
+        `abort(request_id)` during iteration ends that request; leaving the loop early aborts the rest."""
+        ids = self._add_all(prompts, sampling_params)
+        pending = set(ids)
+        self._streamed |= pending
+        try:
+            while pending:
+                updates, self._aborted = self._aborted + self.engine.step(), []
+                for out in updates:
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in pending:
+                self.engine.abort(request_id)
+            self._streamed -= set(ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request and frees its KV blocks; returns its final output, or None if it is unknown."""
+        out = self.engine.abort(request_id)
+        if out is not None and request_id in self._streamed:
+            self._aborted.append(out)
+        return out
+
+    def kv_cache_stats(self) -> dict[str, int]:
+        """{"total_blocks", "free_blocks", ...}: free_blocks counts cached blocks no request uses."""
+        return self.engine.kv_cache_stats()

@@ -1,0 +1,21 @@
+"""What the runtime hands back for a request (cumulative: each update holds everything so far)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens so far (a final EOS / stop token included)
+    text: str  # generated text so far; while streaming, text a stop string might still cut is held back
+    finish_reason: str | None  # "stop" | "length" | "abort", None while running
+    logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs
+    prompt_logprobs: list[float | None] | None = None  # per prompt token (None first), when asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,186 @@
+"""Batched sampling: penalties, greedy, temperature / top-k / top-p / min-p, seeded sampling.
+
+Works on CPU and CUDA logits. The only host sync is reading the sampled tokens (and logprobs) back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """Plain data for one request in this step.
+
+    `generator` is the request's own generator when `params.seed` is set: created by the caller on the
+    logits' device, seeded once per request and reused across steps. None draws from the default RNG.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token per row; `logprobs` (log_softmax of the raw logits at that token) is None
+    unless some row asked for it, then it holds one value per row."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+class Sampler:
+    """Picks the next token of every row of a batch of logits.
+
+    Order: logprobs from the raw logits; repetition, frequency and presence penalties (greedy rows
+    too); argmax for greedy rows; for the others temperature, top_k, top_p, min_p, then one draw.
+    All math is batched over rows with per-row parameter tensors; a stage no row uses is skipped.
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        # logits: [B, V] float32, raw model logits, one row per entry of `rows`
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=None)
+        raw = logits.float()
+        processed = apply_penalties(raw, rows)  # [B, V] float32, a new tensor if any penalty applies
+        tokens = processed.argmax(dim=-1)  # [B] int64; final for greedy rows
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            index = _to_device(random_rows, torch.int64, raw.device)  # [R]
+            sampled = _sample(processed[index], raw[index], [rows[i] for i in random_rows])
+            tokens = tokens.index_copy(0, index, sampled)
+        logprobs = None
+        if any(row.params.logprobs for row in rows):
+            # logprobs: [B] float32, under the model's own (unprocessed) distribution
+            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Penalized copy of `logits` ([B, V] float32; returned as is when no row has a penalty).
+
+    Repetition penalty (HF: over prompt + output tokens, a logit > 0 is divided by it, else multiplied),
+    then frequency (minus penalty × count) and presence (minus penalty once) penalties (OpenAI: output
+    tokens only). Only rows that use a penalty pay for it.
+    """
+    vocab_size = logits.shape[1]
+    rep_rows = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    freq_rows = [i for i, row in enumerate(rows)
+                 if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0]
+    if not rep_rows and not freq_rows:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if rep_rows:
+        index = _to_device(rep_rows, torch.int64, device)  # [N]
+        seen = _token_counts([[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in rep_rows],
+                             vocab_size, device) > 0  # [N, V] bool
+        penalty = _to_device([rows[i].params.repetition_penalty for i in rep_rows], logits.dtype,
+                             device)[:, None]  # [N, 1]
+        sub = logits[index]  # [N, V]
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits.index_copy_(0, index, torch.where(seen, penalized, sub))
+    if freq_rows:
+        index = _to_device(freq_rows, torch.int64, device)  # [N]
+        counts = _token_counts([rows[i].output_token_ids for i in freq_rows], vocab_size, device)
+        counts = counts.to(logits.dtype)  # [N, V] float32
+        freq = _to_device([rows[i].params.frequency_penalty for i in freq_rows], logits.dtype,
+                          device)[:, None]  # [N, 1]
+        presence = _to_device([rows[i].params.presence_penalty for i in freq_rows], logits.dtype,
+                              device)[:, None]  # [N, 1]
+        sub = logits[index] - freq * counts - presence * (counts > 0).to(logits.dtype)
+        logits.index_copy_(0, index, sub)
+    return logits
+
+
+def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How often each token id occurs in each list. Returns [N, V] int64."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    # Pad with an extra id (vocab_size) whose column is dropped, so all rows scatter in one call.
+    padded = [list(tokens) + [vocab_size] * (width - len(tokens)) for tokens in token_lists]
+    ids = _to_device(padded, torch.int64, device).view(len(token_lists), width)  # [N, L]
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab_size]
+
+
+def _sample(logits: torch.Tensor, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p, then one exponential-race draw per row.
+
+    logits: [R, V] float32 after penalties; raw: [R, V] float32 raw logits (the fallback for a row
+    whose processed distribution is empty or NaN). Returns [R] int64 token ids.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    params = [row.params for row in rows]
+    temperature = _to_device([p.temperature for p in params], logits.dtype, device)  # [R]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    use_top_p = [p.top_p < 1.0 for p in params]
+    if any(top_k) or any(use_top_p):
+        # Sort before dividing by temperature: same order, but no ties made by rounding, so that
+        # top_k=1 keeps exactly the greedy (first maximal) token. stable=True keeps ties in id order.
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [R, V] each
+        sorted_logits = sorted_logits / temperature[:, None]
+        position = torch.arange(vocab_size, device=device)[None, :]  # [1, V]
+        if any(top_k):
+            k = _to_device([k or vocab_size for k in top_k], torch.int64, device)[:, None]  # [R, 1]
+            sorted_logits = sorted_logits.masked_fill(position >= k, float("-inf"))
+        if any(use_top_p):
+            top_p = _to_device([p.top_p for p in params], logits.dtype, device)[:, None]  # [R, 1]
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [R, V]
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [R, V]
+            # Drop a token once the more likely ones already reach top_p; never the top token, and
+            # only in rows that use top_p (rounding in the cumsum must not touch the others).
+            drop = (mass_before >= top_p) & (position > 0)
+            drop &= _to_device(use_top_p, torch.bool, device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+    else:
+        logits = logits / temperature[:, None]
+    probs = torch.softmax(logits, dim=-1)  # [R, V] float32
+    if any(p.min_p > 0 for p in params):
+        min_p = _to_device([p.min_p for p in params], probs.dtype, device)[:, None]  # [R, 1]
+        # The exponential race needs no renormalisation after dropping tokens.
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    probs = torch.nan_to_num(probs, nan=0.0)
+    q = _exponential_noise(rows, num_rows, vocab_size, device)  # [R, V]
+    # argmax(p / q) with q ~ Exp(1) picks token i with probability p_i / sum(p).
+    tokens = (probs / q).argmax(dim=-1)  # [R] int64
+    empty = ~(probs.sum(dim=-1) > 0)  # [R] bool: all zero (or NaN before nan_to_num)
+    return torch.where(empty, raw.argmax(dim=-1), tokens)
+
+
+def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int,
+                       device: torch.device) -> torch.Tensor:
+    """Exp(1) noise, [R, V] float32. A row with a generator draws its own V values from it, so a
+    seeded request gets the same noise whatever else is in the batch; the rest draw together."""
+    q = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+    if len(unseeded) == num_rows:
+        q.exponential_()
+    elif unseeded:
+        index = _to_device(unseeded, torch.int64, device)
+        noise = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device).exponential_()
+        q.index_copy_(0, index, noise)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            q[i] = torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=row.generator)
+    # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick.
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor from Python data. On CUDA it goes through pinned memory with a
+    non-blocking copy, so building it does not wait for the GPU work queued before it."""
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

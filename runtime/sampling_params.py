@@ -1,0 +1,84 @@
+"""Per-request sampling settings, validated at construction (no torch here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. Penalties, then temperature, then top_k, top_p and min_p are applied
+    to the logits in that order. `seed` gives the request its own random generator, so its tokens do
+    not depend on what else is in the batch. `logprobs` returns the log-probability of each sampled
+    token under the model's own distribution (log_softmax of the raw logits, before any of the
+    processing above). `prompt_logprobs` returns, for each prompt token, its log-probability given the
+    tokens before it (None for the first).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                 "must be an integer >= 1")
+        _require(_is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                 "must be a finite number >= 0 (0 means greedy)")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
+                 "must be an integer >= 0 (0 disables top-k)")
+        _require(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _require(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _require(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 self.repetition_penalty, "must be > 0 (1 disables it)")
+        _require(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+                 self.presence_penalty, "must be in [-2, 2]")
+        _require(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+                 self.frequency_penalty, "must be in [-2, 2]")
+        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
+                 "must be None or an integer in [0, 2**63)")
+        for s in self.stop:
+            _require(isinstance(s, str) and s != "", "stop", self.stop, "must be non-empty strings")
+        for t in self.stop_token_ids:
+            _require(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
+                     "must be non-negative integers")
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, value, "must be True or False")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

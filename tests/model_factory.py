@@ -1,0 +1,53 @@
+"""Tiny random-weight Hugging Face checkpoints for tests, made on the spot with transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizer_factory import VOCAB_SIZE, make_test_tokenizer
+
+_CONFIG_CLASSES = {
+    "LlamaForCausalLM": transformers.LlamaConfig,
+    "MistralForCausalLM": transformers.MistralConfig,
+    "Qwen2ForCausalLM": transformers.Qwen2Config,
+    "Qwen3ForCausalLM": transformers.Qwen3Config,
+}
+
+BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+            eos_token_id=1, initializer_range=0.1)
+
+
+def make_checkpoint(path: Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0,
+                    dtype: torch.dtype = torch.float32, tokenizer: bool = True, safe: bool = True,
+                    **overrides) -> tuple[Path, transformers.PreTrainedModel]:
+    """Saves a random tiny model of `architecture` (+ the test tokenizer) to `path`; returns (path, model).
+
+    initializer_range is larger than HF's default so logits have clear winners and greedy comparisons
+    are not decided by float noise.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    config = _CONFIG_CLASSES[architecture](**{**BASE, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(dtype).eval()
+    model.save_pretrained(path, safe_serialization=safe)
+    if tokenizer:
+        make_test_tokenizer(path)
+    return path, model
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, EOS ignored, as the reference."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())

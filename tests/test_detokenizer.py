@@ -1,0 +1,145 @@
+"""IncrementalDetokenizer: matches a full decode, stop strings, streaming hold-back, special tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizer_factory import make_test_tokenizer
+from transformers import AutoTokenizer
+
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+
+UNICODE_TEXT = "héllo wörld 日本語 🎉 the café sees die Straße, Мария любит 東京!"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_test_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def full_decode(tokenizer, ids, skip_special_tokens=True) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stream(detok: IncrementalDetokenizer, ids) -> tuple[str | None, list[str]]:
+    """Feed ids until a stop matches; return the matched stop and readable_text after each token."""
+    shown = []
+    for token_id in ids:
+        matched = detok.add_token(token_id)
+        shown.append(detok.readable_text(finished=False))
+        if matched is not None:
+            return matched, shown
+    return None, shown
+
+
+def test_factory_tokenizer(tokenizer, tmp_path):
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    ids = tokenizer(UNICODE_TEXT)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert full_decode(tokenizer, ids) == UNICODE_TEXT
+    assert len(tokenizer) == 400
+    make_test_tokenizer(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(UNICODE_TEXT)["input_ids"] == ids
+    assert reloaded.eos_token_id == tokenizer.eos_token_id
+
+
+def test_random_token_sequences_match_full_decode(tokenizer):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    for _ in range(150):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        _, shown = stream(detok, output)
+        expected = full_decode(tokenizer, output)
+        assert detok.text == expected
+        assert detok.readable_text(finished=True) == expected
+        assert all(expected.startswith(s) for s in shown)  # streamed text only grows, never changes
+
+
+def test_unicode_text_matches_and_never_streams_half_characters(tokenizer):
+    prompt = tokenizer("Say it: ")["input_ids"]
+    output = encode(tokenizer, UNICODE_TEXT)
+    # The test only means something if some characters really are split across tokens.
+    assert any("\ufffd" in full_decode(tokenizer, [t]) for t in output)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    _, shown = stream(detok, output)
+    assert detok.text == UNICODE_TEXT
+    assert all("\ufffd" not in s and UNICODE_TEXT.startswith(s) for s in shown)
+    assert shown[-1] == UNICODE_TEXT
+
+
+def test_text_stops_right_before_stop_string(tokenizer):
+    output = encode(tokenizer, "the cat eats an apple. the dog")
+    detok = IncrementalDetokenizer(tokenizer, [0], stop=["apple", "dog"])
+    matched, _ = stream(detok, output)
+    assert matched == "apple"
+    assert detok.text == "the cat eats an "
+    assert detok.readable_text(finished=True) == "the cat eats an "
+    with pytest.raises(RuntimeError, match="after stop string"):
+        detok.add_token(output[-1])
+
+
+def test_stop_string_spanning_several_tokens(tokenizer):
+    stop = "wörld 日本"
+    output = encode(tokenizer, UNICODE_TEXT)
+    assert not any(stop in full_decode(tokenizer, [t]) for t in output)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[stop])
+    matched, _ = stream(detok, output)
+    assert matched == stop
+    assert detok.text == "héllo "
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["blue", "the"])
+    matched, _ = stream(detok, encode(tokenizer, "a red ball and the blue sky"))
+    assert matched == "the"
+    assert detok.text == "a red ball and "
+
+
+def test_stop_string_at_the_start(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [0], stop=["the"])
+    matched, shown = stream(detok, encode(tokenizer, "the cat"))
+    assert matched == "the"
+    assert detok.text == ""
+    assert all(s == "" for s in shown)
+
+
+def test_readable_text_never_shows_text_that_is_cut(tokenizer):
+    rng = random.Random(1)
+    words = ["the", "cat", "café", "日本語", "🎉", "Straße", "sees", "apple."]
+    stops = ["café 日", "🎉 S", "apple.", "xyz"]
+    for _ in range(60):
+        text = " ".join(rng.choice(words) for _ in range(12))
+        detok = IncrementalDetokenizer(tokenizer, [0], stop=stops)
+        matched, shown = stream(detok, encode(tokenizer, text))
+        final = detok.text
+        assert all(final.startswith(s) for s in shown)
+        if matched is None:
+            assert final == text
+        else:
+            assert text.startswith(final + matched)
+            assert not any(s in final for s in stops)
+
+
+def test_special_tokens(tokenizer):
+    output = [*encode(tokenizer, "the cat"), tokenizer.eos_token_id]
+    skipped = IncrementalDetokenizer(tokenizer, [tokenizer.bos_token_id])
+    stream(skipped, output)
+    assert skipped.text == "the cat"
+    kept = IncrementalDetokenizer(tokenizer, [tokenizer.bos_token_id], skip_special_tokens=False)
+    stream(kept, output)
+    assert kept.text == "the cat</s>"
+
+
+def test_no_tokenizer():
+    detok = IncrementalDetokenizer(None, [1, 2, 3], stop=["a"])
+    assert [detok.add_token(t) for t in (5, 6)] == [None, None]
+    assert detok.text == ""
+    assert detok.readable_text(finished=False) == detok.readable_text(finished=True) == ""

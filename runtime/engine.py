@@ -50,6 +50,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -60,8 +61,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (none was in the checkpoint): pass token ids")
             token_ids = list(self.tokenizer.encode(prompt))
-        else:
+        elif isinstance(prompt, Sequence):
             token_ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -124,6 +127,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one batched forward pass; returns an update for every request that produced a token."""
         scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted_ids)
         if scheduled.is_empty:
             return []
         prompts = {r.request_id: self._tracked[r.request_id].request.prompt_token_ids
@@ -193,4 +197,5 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.num_preemptions,
         }

@@ -18,7 +18,9 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if not prompts:
+        raise ValueError("prompt is empty (an empty list is neither a token-id prompt nor a list of prompts)")
+    if any(isinstance(t, int) for t in prompts):  # token ids (the engine checks every one of them)
         return [prompts]
     return prompts
 

@@ -123,6 +123,12 @@ def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef,
                 f"{s.name} of shape {list(s.shape)}; does config.json belong to these weights?"
             )
 
+    used = {src for s in specs for src in model_def.sources(s.name)}
+    unused = [n for n in reader.names() if n not in used and not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        logger.warning("checkpoint has %d tensors the model does not use (config.json may not match the "
+                       "weights), e.g. %s", len(unused), ", ".join(unused[:3]))
+
     def produce(spec: TensorSpec) -> torch.Tensor:
         parts = [reader.get(src).to(spec.dtype) for src in model_def.sources(spec.name)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -160,35 +166,40 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     """Builds an engine from a Hugging Face checkpoint directory; returns the engine directory."""
     start = time.perf_counter()
     config = config or BuildConfig()
-    checkpoint, output = Path(checkpoint_dir), Path(output_dir)
+    # Resolved so the staging directory sits next to the real output even for `--output .` or a symlink;
+    # unresolved, "." would stage inside itself and a symlink could not be replaced.
+    checkpoint, output = Path(checkpoint_dir), Path(output_dir).resolve()
     if not checkpoint.is_dir():
         raise BuildError(f"checkpoint directory {checkpoint} does not exist")
     model_def, model_config = load_model_config(checkpoint)
     dtype_name = resolve_dtype(config.dtype, model_config)
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
+    if max_seq_len > model_config.max_position_embeddings:
+        logger.warning("max_seq_len %d exceeds the model's max_position_embeddings %d: quality past the "
+                       "trained context depends on its rope scaling", max_seq_len,
+                       model_config.max_position_embeddings)
     target = target_of(config.device)
     specs = param_specs(model_def, model_config, DTYPES[dtype_name])
 
     staging = _prepare_output(output)
+    reader: CheckpointReader | None = None
     try:
         if config.dummy_weights:
             produce = lambda spec: dummy_tensor(spec, config.seed)  # noqa: E731
-            reader = None
         else:
             try:
                 reader = CheckpointReader(checkpoint)
+                # Its up-front checks read shard headers, which fail on a corrupt shard or a wrong index.
+                produce = checkpoint_producer(reader, model_def, specs)
+                written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
+                                                      metadata={"format": "pt", "kiln_rank": "0"},
+                                                      progress=progress, desc="writing rank0")
             except CheckpointError as e:
                 raise BuildError(str(e)) from e
-            produce = checkpoint_producer(reader, model_def, specs)
-        try:
+        if config.dummy_weights:
             written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
-                                                  metadata={"format": "pt", "kiln_rank": "0"}, progress=progress,
-                                                  desc="writing rank0")
-        except CheckpointError as e:
-            raise BuildError(str(e)) from e
-        finally:
-            if reader is not None:
-                reader.close()
+                                                  metadata={"format": "pt", "kiln_rank": "0"},
+                                                  progress=progress, desc="writing rank0 (dummy)")
         files = {rank_file_name(0): FileEntry(written.size, written.sha256), **copy_tokenizer(checkpoint, staging)}
         build = {"dtype": dtype_name, "max_batch_size": config.max_batch_size,
                  "max_num_tokens": config.max_num_tokens, "max_seq_len": max_seq_len,
@@ -203,6 +214,9 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if reader is not None:
+            reader.close()
     logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,
                 time.perf_counter() - start)
     return output

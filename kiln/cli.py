@@ -81,12 +81,13 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Build LLM engines from Hugging Face checkpoints "
                                                               "and generate from them.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_build(sub)
     _add_generate(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     from kiln.builder.build import BuildError
     from kiln.builder.engine_format import EngineError
 

@@ -109,7 +109,8 @@ def token_id_list(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _get(raw: dict[str, Any], key: str, default: Any = ...) -> Any:
+def required(raw: dict[str, Any], key: str, default: Any = ...) -> Any:
+    """raw[key], or ModelConfigError naming the missing field (or `default` when one is given)."""
     if key in raw and raw[key] is not None:
         return raw[key]
     if default is ...:
@@ -153,20 +154,20 @@ def parse_decoder_config(
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")
-    hidden = _get(raw, "hidden_size")
-    heads = _get(raw, "num_attention_heads")
+    hidden = required(raw, "hidden_size")
+    heads = required(raw, "num_attention_heads")
     dtype = raw.get("torch_dtype", raw.get("dtype"))
     return ModelConfig(
         architecture=raw["architectures"][0],
-        vocab_size=_get(raw, "vocab_size"),
+        vocab_size=required(raw, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_get(raw, "intermediate_size"),
-        num_layers=_get(raw, "num_hidden_layers"),
+        intermediate_size=required(raw, "intermediate_size"),
+        num_layers=required(raw, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=_get(raw, "num_key_value_heads", heads),
-        head_dim=_get(raw, "head_dim", hidden // heads),
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=_get(raw, "max_position_embeddings", 2048),
+        num_kv_heads=required(raw, "num_key_value_heads", heads),
+        head_dim=required(raw, "head_dim", hidden // heads),
+        rms_norm_eps=float(required(raw, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=required(raw, "max_position_embeddings", 2048),
         rope=parse_rope(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,

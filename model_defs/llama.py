@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ModelConfig, parse_decoder_config
+from .config import ModelConfig, parse_decoder_config, required
 from .layers import DecoderForCausalLM
 from .registry import ModelDef, register
 
@@ -17,7 +17,7 @@ def parse_llama(raw: dict[str, Any]) -> ModelConfig:
 def parse_mistral(raw: dict[str, Any]) -> ModelConfig:
     window = raw.get("sliding_window") or 0
     return parse_decoder_config(raw, qkv_bias=False, o_bias=False,
-                                layer_sliding_windows=(int(window),) * raw["num_hidden_layers"])
+                                layer_sliding_windows=(int(window),) * required(raw, "num_hidden_layers"))
 
 
 register(ModelDef("LlamaForCausalLM", parse_llama, DecoderForCausalLM))

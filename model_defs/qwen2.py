@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ModelConfig, parse_decoder_config
+from .config import ModelConfig, parse_decoder_config, required
 from .layers import DecoderForCausalLM
 from .registry import ModelDef, register
 
@@ -12,7 +12,7 @@ from .registry import ModelDef, register
 def qwen_layer_windows(raw: dict[str, Any]) -> tuple[int, ...]:
     """Per-layer windows as transformers derives them: `layer_types` if given, else sliding attention on
     layers >= max_window_layers when use_sliding_window is set."""
-    num_layers = raw["num_hidden_layers"]
+    num_layers = required(raw, "num_hidden_layers")
     window = int(raw.get("sliding_window") or 0) if raw.get("use_sliding_window", False) else 0
     layer_types = raw.get("layer_types")
     if layer_types is None:

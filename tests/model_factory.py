@@ -22,7 +22,7 @@ BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hi
 
 
 def make_checkpoint(path: Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, tokenizer: bool = True, safe: bool = True,
+                    dtype: torch.dtype = torch.float32, tokenizer: bool = True,
                     **overrides) -> tuple[Path, transformers.PreTrainedModel]:
     """Saves a random tiny model of `architecture` (+ the test tokenizer) to `path`; returns (path, model).
 
@@ -34,7 +34,7 @@ def make_checkpoint(path: Path, architecture: str = "LlamaForCausalLM", *, seed:
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(dtype).eval()
-    model.save_pretrained(path, safe_serialization=safe)
+    model.save_pretrained(path)
     if tokenizer:
         make_test_tokenizer(path)
     return path, model

@@ -1,8 +1,25 @@
-"""kiln's runtime: load an engine and generate with in-flight batching over a paged KV cache."""
+"""kiln's runtime: load an engine and generate with in-flight batching over a paged KV cache.
 
-from .async_llm import AsyncLLM
-from .llm import LLM
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+The public names load lazily, so `kiln.runtime.scheduler` and `kiln.runtime.block_manager` (plain
+Python) can be imported without pulling in torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .async_llm import AsyncLLM
+    from .llm import LLM
+    from .outputs import RequestOutput
+    from .sampling_params import SamplingParams
+
+_PUBLIC = {"LLM": ".llm", "AsyncLLM": ".async_llm", "RequestOutput": ".outputs", "SamplingParams": ".sampling_params"}
 __all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,8 +66,9 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """A snapshot of the request's blocks, in order (a copy: the live table stays private)."""
+        return tuple(self._tables.get(request_id, ()))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

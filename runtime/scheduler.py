@@ -144,7 +144,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tuple(request.token_slice(start, start + num_new)),
             start_position=start,
-            block_ids=tuple(self.blocks.block_table(request.request_id)),
+            block_ids=self.blocks.block_table(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens,
             sample=start + num_new == request.num_tokens,
         )

@@ -67,7 +67,7 @@ def test_allocate_exactly_all_blocks_then_refuses():
     assert bm.num_free_blocks == 0
     assert not bm.can_allocate("b", 1)
     assert not bm.allocate("b", 1)
-    assert bm.block_table("b") == []
+    assert bm.block_table("b") == ()
 
 
 def test_refused_allocate_changes_nothing():
@@ -187,7 +187,7 @@ def test_shared_blocks_are_ref_counted():
     assert bm.num_free_blocks == 8 - 3 - 1
     bm.free("a")  # the 2 shared blocks stay with b
     assert bm.num_free_blocks == 8 - 3
-    assert bm.block_table("b")[:2] == list(prefix.block_ids)
+    assert bm.block_table("b")[:2] == prefix.block_ids
     bm.free("b")
     assert bm.num_free_blocks == 8
 
@@ -216,10 +216,10 @@ def test_blocks_freed_longest_ago_are_evicted_first():
     assert bm.find_cached_prefix(new + [0]).num_tokens == 8
 
     assert bm.allocate("c", 4)  # one block: the oldest freed is old's tail
-    assert bm.block_table("c") == [old_blocks[1]]
+    assert bm.block_table("c") == (old_blocks[1],)
     assert bm.find_cached_prefix(old + [0]).num_tokens == 4  # first block still matches
     assert bm.allocate("c", 8)
-    assert bm.block_table("c") == [old_blocks[1], old_blocks[0]]
+    assert bm.block_table("c") == (old_blocks[1], old_blocks[0])
     assert bm.find_cached_prefix(old + [0]) == CachedPrefix()  # evicted: no longer matches
     assert bm.find_cached_prefix(new + [0]) == CachedPrefix(tuple(new_blocks), 8)
     assert bm.num_cached_blocks == 2
@@ -291,7 +291,7 @@ def test_allocate_counts_free_cached_prefix_blocks_against_free_memory():
     prefix = bm.find_cached_prefix(shorter)
     assert bm.can_allocate("b", len(shorter), prefix)
     assert bm.allocate("b", len(shorter), prefix)
-    assert bm.block_table("b")[:2] == list(prefix.block_ids)
+    assert bm.block_table("b")[:2] == prefix.block_ids
     assert bm.num_free_blocks == 0
 
 

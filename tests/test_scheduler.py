@@ -66,7 +66,7 @@ class Sim:
     def abort(self, request_id: str) -> None:
         request = self.sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         assert request is not None and request.status == RequestStatus.FINISHED_ABORTED
-        assert self.bm.block_table(request_id) == []
+        assert self.bm.block_table(request_id) == ()
         self.finished[request_id] = request
 
     def step(self, abort_during: Sequence[str] = ()) -> SchedulerOutput:
@@ -93,7 +93,7 @@ class Sim:
             self.step()
         assert not self.sched.has_unfinished(), "no progress: requests left after max_steps"
         assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert all(self.bm.block_table(rid) == [] for rid in self.requests)
+        assert all(self.bm.block_table(rid) == () for rid in self.requests)
 
     def run_model(self, out: SchedulerOutput) -> dict[str, int]:
         """Writes each scheduled token's fake KV through the block table; samples where asked."""
@@ -147,7 +147,7 @@ class Sim:
             assert list(item.token_ids) == request.all_token_ids[start:start + n]
             assert item.sample == (start + n == request.num_tokens)
             assert item.num_prompt_tokens == request.num_prompt_tokens
-            assert list(item.block_ids) == self.bm.block_table(item.request_id)
+            assert item.block_ids == self.bm.block_table(item.request_id)
             assert len(item.block_ids) * self.bs >= start + n  # the table covers what is written
             # What the step attends to is already in the cache, and correct (catches bad prefix hits).
             keys = self.keys(request)
@@ -175,7 +175,7 @@ class Sim:
         for request in sched.waiting:
             assert request.status == RequestStatus.WAITING
             assert request.num_computed_tokens == 0
-            assert bm.block_table(request.request_id) == []
+            assert bm.block_table(request.request_id) == ()
         for request in sched.running:
             assert request.status == RequestStatus.RUNNING
             table = bm.block_table(request.request_id)
@@ -188,7 +188,7 @@ class Sim:
             for p in range(request.num_computed_tokens):
                 assert self.kv.get(self._slot(table, p)) == keys[p]
         for request in self.finished.values():
-            assert bm.block_table(request.request_id) == []
+            assert bm.block_table(request.request_id) == ()
 
         # Every block is either held or free; shared blocks are counted once, by reference count.
         assert len(holders) + bm.num_free_blocks == bm.num_blocks
@@ -344,12 +344,12 @@ def test_a_later_prompt_starts_after_the_cached_prefix():
     out = sim.step()
     item = {r.request_id: r for r in out.requests}["b"]
     assert (item.start_position, item.token_ids) == (8, (3, 4, 5))
-    assert list(item.block_ids[:2]) == a_blocks
+    assert item.block_ids[:2] == a_blocks
     assert sim.sched.get("b").num_cached_prompt_tokens == 8
     sim.run()
     sim.add("c", system + [9], 1)  # after both finished: the blocks are free but still cached
     out = sim.step()
-    assert (out.requests[0].start_position, list(out.requests[0].block_ids[:2])) == (8, a_blocks)
+    assert (out.requests[0].start_position, out.requests[0].block_ids[:2]) == (8, a_blocks)
     sim.run()
     sim.check_outputs()
     assert sim.bm.prefix_hit_tokens == 16

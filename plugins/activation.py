@@ -14,9 +14,7 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_reference(x)
+_silu_and_mul_op = torch.library.custom_op("kiln::silu_and_mul", mutates_args=())(silu_and_mul_reference)
 
 
 @_silu_and_mul_op.register_fake

@@ -54,19 +54,7 @@ def paged_attention_reference(
     return out
 
 
-@torch.library.custom_op("kiln::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-) -> torch.Tensor:
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                     sliding_window)
+_paged_attention_op = torch.library.custom_op("kiln::paged_attention", mutates_args=())(paged_attention_reference)
 
 
 @_paged_attention_op.register_fake

@@ -23,11 +23,8 @@ def write_kv_cache_reference(
     v_flat[slots] = v[valid].to(v_cache.dtype)
 
 
-@torch.library.custom_op("kiln::write_kv_cache", mutates_args=("k_cache", "v_cache"))
-def _write_kv_cache_op(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+_write_kv_cache_op = torch.library.custom_op("kiln::write_kv_cache", mutates_args=("k_cache", "v_cache"))(
+    write_kv_cache_reference)
 
 
 @_write_kv_cache_op.register_fake

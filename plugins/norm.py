@@ -18,9 +18,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-@torch.library.custom_op("kiln::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_reference(x, weight, eps)
+_rms_norm_op = torch.library.custom_op("kiln::rms_norm", mutates_args=())(rms_norm_reference)
 
 
 @_rms_norm_op.register_fake

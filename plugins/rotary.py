@@ -28,11 +28,7 @@ def rotary_embedding_reference(
     return _rotate(q, cos_full, sin_full), _rotate(k, cos_full, sin_full)
 
 
-@torch.library.custom_op("kiln::rotary_embedding", mutates_args=())
-def _rotary_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_embedding_reference(q, k, cos, sin)
+_rotary_op = torch.library.custom_op("kiln::rotary_embedding", mutates_args=())(rotary_embedding_reference)
 
 
 @_rotary_op.register_fake

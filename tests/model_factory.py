@@ -51,3 +51,14 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int], max_ne
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+def make_engine(tmp: Path, architecture: str = "LlamaForCausalLM", **build_options) -> tuple[Path, Path,
+                                                                                              transformers.PreTrainedModel]:
+    """A tiny checkpoint under tmp/ckpt built into tmp/engine; returns (checkpoint, engine, hf_model)."""
+    from kiln.builder.build import build_engine
+    from kiln.builder.build_config import BuildConfig
+
+    checkpoint, model = make_checkpoint(tmp / "ckpt", architecture)
+    engine = build_engine(checkpoint, tmp / "engine", BuildConfig(**build_options), progress=False)
+    return checkpoint, engine, model

@@ -6,10 +6,8 @@ import json
 import shutil
 
 import pytest
-from model_factory import make_checkpoint
+from model_factory import make_engine
 
-from kiln.builder.build import build_engine
-from kiln.builder.build_config import BuildConfig
 from kiln.builder.engine_format import EngineError
 from kiln.runtime import LLM, SamplingParams
 
@@ -18,10 +16,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bad")
-    checkpoint, _ = make_checkpoint(tmp / "ckpt", "LlamaForCausalLM")
-    return build_engine(checkpoint, tmp / "engine", BuildConfig(max_batch_size=4, max_num_tokens=64,
-                                                                max_seq_len=64), progress=False)
+    _, engine, _ = make_engine(tmp_path_factory.mktemp("bad"), max_batch_size=4, max_num_tokens=64, max_seq_len=64)
+    return engine
 
 
 @pytest.fixture(scope="module")

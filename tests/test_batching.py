@@ -5,19 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from model_factory import make_checkpoint
+from model_factory import make_engine
 
-from kiln.builder.build import build_engine
-from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("batching")
-    checkpoint, _ = make_checkpoint(tmp / "ckpt", "LlamaForCausalLM")
-    return build_engine(checkpoint, tmp / "engine", BuildConfig(max_batch_size=16, max_num_tokens=256,
-                                                                max_seq_len=256, kv_block_size=4), progress=False)
+    _, engine, _ = make_engine(tmp_path_factory.mktemp("batching"), max_batch_size=16, max_num_tokens=256, max_seq_len=256, kv_block_size=4)
+    return engine
 
 
 def _requests(n: int, seed: int = 0):

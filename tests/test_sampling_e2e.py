@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from model_factory import make_checkpoint
+from model_factory import make_engine
 
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
@@ -17,10 +17,7 @@ PROMPT = "the cat sees"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sampling")
-    checkpoint, hf_model = make_checkpoint(tmp / "ckpt", "LlamaForCausalLM")
-    engine = build_engine(checkpoint, tmp / "engine", BuildConfig(max_batch_size=8, max_num_tokens=64,
-                                                                  max_seq_len=128), progress=False)
+    checkpoint, engine, hf_model = make_engine(tmp_path_factory.mktemp("sampling"), max_batch_size=8, max_num_tokens=64, max_seq_len=128)
     return checkpoint, engine, hf_model, LLM(engine)
 
 

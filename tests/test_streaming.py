@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from model_factory import make_checkpoint
+from model_factory import make_engine
 
-from kiln.builder.build import build_engine
-from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM, AsyncLLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -17,10 +15,8 @@ PROMPTS = ["the cat", "a small dog sees", "we like the blue sky!", "Мария"]
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("stream")
-    checkpoint, _ = make_checkpoint(tmp / "ckpt", "LlamaForCausalLM")
-    return build_engine(checkpoint, tmp / "engine", BuildConfig(max_batch_size=8, max_num_tokens=64,
-                                                                max_seq_len=128), progress=False)
+    _, engine, _ = make_engine(tmp_path_factory.mktemp("stream"), max_batch_size=8, max_num_tokens=64, max_seq_len=128)
+    return engine
 
 
 @pytest.fixture(scope="module")

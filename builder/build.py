@@ -22,8 +22,9 @@ import torch
 
 import kiln
 from kiln.model_defs import ModelConfig, ModelDef, model_def_for_hf_config
+from kiln.model_defs.config import token_id_list
 
-from .build_config import BuildConfig
+from .build_config import ENGINE_DTYPES, BuildConfig
 from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
 from .engine_format import ENGINE_JSON, FileEntry, file_entry, rank_file_name, write_engine_json
@@ -31,7 +32,6 @@ from .safetensors_writer import TensorSpec, write_safetensors_streaming
 
 logger = logging.getLogger("kiln.builder")
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -64,8 +64,6 @@ def load_model_config(checkpoint: Path) -> tuple[ModelDef, ModelConfig]:
     gen_path = checkpoint / "generation_config.json"
     if gen_path.exists():
         gen = read_json(gen_path, "generation config")
-        from kiln.model_defs.config import token_id_list
-
         if gen.get("eos_token_id") is not None:
             config = dataclasses.replace(config, eos_token_ids=token_id_list(gen["eos_token_id"]))
         if gen.get("bos_token_id") is not None:
@@ -76,7 +74,7 @@ def load_model_config(checkpoint: Path) -> tuple[ModelDef, ModelConfig]:
 def resolve_dtype(requested: str, config: ModelConfig) -> str:
     if requested != "auto":
         return requested
-    if config.torch_dtype in DTYPES:
+    if config.torch_dtype in ENGINE_DTYPES:
         return config.torch_dtype
     return "float32"
 
@@ -179,7 +177,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
                        "trained context depends on its rope scaling", max_seq_len,
                        model_config.max_position_embeddings)
     target = target_of(config.device)
-    specs = param_specs(model_def, model_config, DTYPES[dtype_name])
+    specs = param_specs(model_def, model_config, ENGINE_DTYPES[dtype_name])
 
     staging = _prepare_output(output)
     reader: CheckpointReader | None = None

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+import torch
+
+# The dtypes an engine may hold its weights and activations in (engine.json build_config.dtype).
+ENGINE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 DEVICE_CHOICES = ("cpu", "cuda")
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from kiln.builder.build_config import ENGINE_DTYPES
 from kiln.builder.engine_format import EngineError, EngineSpec, load_engine_spec
 from kiln.model_defs import ModelConfig, ModelConfigError, get_model_def
 
@@ -19,7 +20,6 @@ from .model_runner import ModelRunner
 
 logger = logging.getLogger("kiln.runtime")
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Share of free memory the KV cache may take when num_kv_blocks is not given.
 _DEFAULT_KV_MEMORY_FRACTION = 0.9
 _CPU_KV_MEMORY_FRACTION = 0.3
@@ -104,9 +104,9 @@ def load_engine(engine_dir: str | Path, *, device: str | torch.device | None = N
         raise EngineError(f"engine.json model_config is invalid: {e}; rebuild the engine") from e
     build = spec.build_config
     dtype_name = build.get("dtype")
-    if dtype_name not in DTYPES:
-        raise EngineError(f"engine.json build_config.dtype={dtype_name!r} is not one of {sorted(DTYPES)}")
-    dtype = DTYPES[dtype_name]
+    if dtype_name not in ENGINE_DTYPES:
+        raise EngineError(f"engine.json build_config.dtype={dtype_name!r} is not one of {sorted(ENGINE_DTYPES)}")
+    dtype = ENGINE_DTYPES[dtype_name]
     dev = resolve_device(spec, device)
 
     max_seq_len = int(build["max_seq_len"])

@@ -41,8 +41,8 @@ HELD_OUT = ("json", "email", "tomllib", "requests", "click")
 # Never read: caches, and trees that are data or tests of the interpreter's C layer rather than code.
 SKIP_DIRS = ("__pycache__", "site-packages", "dist-packages", "idlelib", "lib2to3", "ensurepip")
 MAX_FILE_BYTES = 400_000     # larger .py files are generated tables, not code people write
-MAX_PACKAGE_BYTES = 12_000_000  # so that torch or sympy cannot drown the rest
-MAX_CORPUS_BYTES = 160_000_000
+MAX_PACKAGE_BYTES = 30_000_000  # so that torch or sympy cannot drown the rest
+MAX_CORPUS_BYTES = 480_000_000
 TOKENIZER_SAMPLE_BYTES = 48_000_000
 
 
@@ -178,8 +178,10 @@ def save_tokenizer(tokenizer, out: Path) -> None:
 def encode_stream(tokenizer, docs: list[tuple[str, str]]) -> np.ndarray:
     """All docs as one stream of token ids: BOS doc EOS BOS doc EOS ... (uint16: the vocab is 8192)."""
     backend = tokenizer.backend_tokenizer
-    encodings = backend.encode_batch([text for _, text in docs], add_special_tokens=False)
-    pieces = [np.asarray([0, *e.ids, 1], dtype=np.uint16) for e in encodings]
+    pieces = []
+    for i in range(0, len(docs), 2000):  # in slices: Encoding objects of the whole corpus would take GBs
+        encodings = backend.encode_batch([text for _, text in docs[i:i + 2000]], add_special_tokens=False)
+        pieces.extend(np.asarray([0, *e.ids, 1], dtype=np.uint16) for e in encodings)
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
 
 

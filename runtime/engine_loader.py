@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,9 @@ def load_engine(engine_dir: str | Path, *, device: str | torch.device | None = N
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(spec.tokenizer_dir))
+        # kiln checks lengths itself (against max_seq_len, with a clear error); transformers' own warning
+        # about model_max_length would only be noise, e.g. for perplexity over a long text in windows.
+        tokenizer.model_max_length = sys.maxsize
     logger.info("loaded engine %s (%s, %s, %s) in %.2fs", spec.engine_dir, spec.architecture, dtype_name, dev,
                 time.perf_counter() - start)
     runtime = RuntimeConfig(device=dev, dtype=dtype, max_batch_size=batch, max_num_tokens=tokens,

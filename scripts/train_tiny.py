@@ -296,34 +296,40 @@ def train(preset: Preset, train_stream: np.ndarray, steps: int | None, device, c
 
 
 # ---- outputs -------------------------------------------------------------------------------------
-def write_card(out: Path, preset: Preset, stats: dict, corpus: dict) -> None:
-    ppl = stats["perplexity"]
-    text = f"""# {preset.name}
+def write_card(out: Path, record: dict) -> None:
+    """The model card, from what training.json records."""
+    preset, corpus, ppl = record["preset"], record["corpus"], record["perplexity"]
+    role = ("the draft model for speculative decoding with `kiln-tiny-code`" if "draft" in preset["name"]
+            else "kiln's default model; `kiln-tiny-code-draft` is its draft for speculative decoding")
+    held = ", ".join(f"`{p}`" for p in corpus["held_out_packages"])
+    bos, eos, pad = (t.replace("|", "\\|") for t in (BOS, EOS, PAD))  # a bare | splits a table cell
+    text = f"""# {preset['name']}
 
-A small Llama-architecture code model trained by `scripts/train_tiny.py` for kiln's examples and tests
-({"the draft model for speculative decoding with kiln-tiny-code" if "draft" in preset.name
-  else "kiln's default model; `kiln-tiny-code-draft` is its draft"}).
-It writes plausible-looking Python; it is not useful for anything else.
+A small Llama-architecture model of Python code, trained by kiln's `scripts/train_tiny.py` for kiln's
+examples and tests ({role}). It writes plausible-looking Python; it is not useful for anything else.
 
-- Architecture: `LlamaForCausalLM`, hidden {preset.hidden_size}, {preset.num_hidden_layers} layers,
-  {preset.num_attention_heads} attention heads, {preset.num_key_value_heads} KV heads (GQA), FFN
-  {preset.intermediate_size}, tied embeddings, context {CONTEXT}, rope theta 10000.
-- Parameters: {stats['params']:,} ({stats['params'] / 1e6:.2f}M); weights stored in bfloat16.
-- Tokenizer: byte-level BPE, {VOCAB_SIZE} tokens, trained on this corpus; BOS `{BOS}` (0), EOS `{EOS}` (1),
-  PAD `{PAD}` (2). Encoding a text puts BOS in front.
-- Data: the `.py` files of Python {corpus['python']}'s standard library and installed site-packages on
-  the training machine ({corpus['train_files']:,} files, {corpus['train_bytes'] / 1e6:.0f} MB after
-  de-duplication and per-package caps). Held out for evaluation, vendored copies included:
-  {', '.join(f'`{p}`' for p in corpus['held_out_packages'])} ({corpus['heldout_files']} files).
-- Training: {stats['steps']:,} steps of {preset.batch_size} x {CONTEXT} tokens
-  ({stats['tokens_seen'] / 1e6:.0f}M tokens), AdamW (lr {preset.lr}, cosine to 10%, warmup
-  {preset.warmup_steps}), bf16 autocast, seed {SEED}; {stats['train_time_s']:.0f} s on one
-  {stats['device_name']} (compilation included).
-- Perplexity (per token, float32 on the bfloat16 weights, {CONTEXT}-token windows): training
-  {ppl['train']:.2f}, held-out {ppl['heldout']:.2f}.
+| | |
+| --- | --- |
+| architecture | `LlamaForCausalLM`: hidden {preset['hidden_size']}, {preset['num_hidden_layers']} layers, \
+{preset['num_attention_heads']} heads, {preset['num_key_value_heads']} KV heads (GQA), FFN {preset['intermediate_size']}, \
+tied embeddings, context {CONTEXT}, rope theta 10000 |
+| parameters | {record['params']:,} ({record['params'] / 1e6:.2f}M), stored in bfloat16 |
+| tokenizer | byte-level BPE, {VOCAB_SIZE} tokens, trained on the same corpus; `{bos}` = 0 (put in front of \
+every encoded text), `{eos}` = 1, `{pad}` = 2 |
+| data | the `.py` files of Python {corpus['python']}'s standard library and installed site-packages on the \
+training machine: {corpus['train_files']:,} files, {corpus['train_bytes'] / 1e6:.0f} MB, \
+{corpus['train_tokens'] / 1e6:.1f}M tokens after de-duplication and per-package caps |
+| held out | {held} (vendored copies too): {corpus['heldout_files']} files, \
+{corpus['heldout_tokens'] / 1e3:.0f}k tokens |
+| training | {record['steps']:,} steps of {preset['batch_size']} x {CONTEXT} tokens \
+({record['tokens_seen'] / 1e6:.0f}M tokens), AdamW lr {preset['lr']} (warmup {preset['warmup_steps']}, cosine to 10%), \
+bf16 autocast, seed {SEED}: {record['train_time_s']:.0f} s on one {record['device_name']}, compilation included |
+| perplexity | training {ppl['train']:.2f}, held-out {ppl['heldout']:.2f} (per token; float32 on the bfloat16 \
+weights; {CONTEXT}-token windows) |
 
-Reproduce: `{stats['command']}`. Licence of the training data: the Python Software Foundation licence
-and the licences of the packages found; the weights are released with kiln.
+Reproduce: `{record['command']}` (same seed and steps; the corpus is whatever that machine's Python has).
+Training data licences: the Python Software Foundation licence and those of the packages found. The
+weights are released with kiln.
 """
     (out / "README.md").write_text(text)
 
@@ -382,9 +388,9 @@ def main() -> None:
     from transformers import GenerationConfig
 
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(args.out)
-    write_card(args.out, preset, stats, corpus)
-    (args.out / "training.json").write_text(json.dumps({"preset": asdict(preset), "corpus": corpus, **stats},
-                                                       indent=1) + "\n")
+    record = {"preset": asdict(preset), "corpus": corpus, **stats}
+    (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_card(args.out, record)
     print(f"{preset.name} written to {args.out} ({time.perf_counter() - t0:.0f}s in all)", flush=True)
 
 

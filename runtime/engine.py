@@ -32,6 +32,7 @@ class _Tracked:
     generator: torch.Generator | None
     logprobs: list[float] | None
     prompt_logprobs: list[float | None] | None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 class LLMEngine:
@@ -107,6 +108,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
             generator=generator,
             logprobs=[] if params.logprobs else None,
+            top_logprobs=[] if params.top_logprobs else None,
             prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs else None,
         )
         self.scheduler.add_request(request)
@@ -137,18 +139,23 @@ class LLMEngine:
             self._tracked[request_id].prompt_logprobs[first + 1:first + 1 + len(values)] = values
         sampled: dict[str, int] = {}
         logprobs: dict[str, float] = {}
+        top: dict[str, list[tuple[int, float]]] = {}
         if result.sample_ids:
             rows = [self._sampling_row(self._tracked[rid]) for rid in result.sample_ids]
             out = self.sampler(result.logits, rows)
             sampled = dict(zip(result.sample_ids, out.token_ids))
             if out.logprobs is not None:
                 logprobs = dict(zip(result.sample_ids, out.logprobs))
+            if out.top_logprobs is not None:
+                top = dict(zip(result.sample_ids, out.top_logprobs))
         self.scheduler.update_after_step(scheduled, sampled)
         outputs = []
         for request_id, token in sampled.items():
             tracked = self._tracked[request_id]
             if tracked.logprobs is not None:
                 tracked.logprobs.append(logprobs[request_id])
+            if tracked.top_logprobs is not None:
+                tracked.top_logprobs.append(dict(top[request_id]))
             status = self._check_finished(tracked, token)
             if status is not None:
                 self.scheduler.finish_request(request_id, status)
@@ -181,6 +188,7 @@ class LLMEngine:
             text=tracked.detokenizer.readable_text(finished),
             finish_reason=r.status.value if finished else None,
             logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            top_logprobs=list(tracked.top_logprobs) if tracked.top_logprobs is not None else None,
             prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None,
             num_cached_tokens=r.num_cached_prompt_tokens,
         )

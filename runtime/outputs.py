@@ -13,6 +13,8 @@ class RequestOutput:
     text: str  # generated text so far; while streaming, text a stop string might still cut is held back
     finish_reason: str | None  # "stop" | "length" | "abort", None while running
     logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs
+    # per generated token, its top_logprobs most likely tokens {token id: logprob}, when asked
+    top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None  # per prompt token (None first), when asked
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 

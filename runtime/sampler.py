@@ -30,10 +30,12 @@ class SamplingRow:
 @dataclass(frozen=True)
 class SamplerOutput:
     """One sampled token per row; `logprobs` (log_softmax of the raw logits at that token) is None
-    unless some row asked for it, then it holds one value per row."""
+    unless some row asked for it, then it holds one value per row. `top_logprobs` likewise holds, per
+    row, that row's `top_logprobs` most likely (token, logprob) pairs, most likely first."""
 
     token_ids: list[int]
     logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Sampler:
@@ -58,11 +60,18 @@ class Sampler:
             index = _to_device(random_rows, torch.int64, raw.device)  # [R]
             sampled = _sample(processed[index], raw[index], [rows[i] for i in random_rows])
             tokens = tokens.index_copy(0, index, sampled)
-        logprobs = None
+        logprobs = top = None
         if any(row.params.logprobs for row in rows):
-            # logprobs: [B] float32, under the model's own (unprocessed) distribution
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+            # log_probs: [B, V] float32, the model's own (unprocessed) distribution
+            log_probs = torch.log_softmax(raw, dim=-1)
+            logprobs = log_probs.gather(1, tokens[:, None]).squeeze(1).tolist()
+            k = max(row.params.top_logprobs for row in rows)
+            if k:
+                values, indices = log_probs.topk(k, dim=-1)  # [B, k] each
+                values, indices = values.tolist(), indices.tolist()
+                top = [list(zip(indices[i][:row.params.top_logprobs], values[i][:row.params.top_logprobs]))
+                       for i, row in enumerate(rows)]
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=top)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -11,6 +11,9 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
         raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -20,7 +23,8 @@ class SamplingParams:
     not depend on what else is in the batch. `logprobs` returns the log-probability of each sampled
     token under the model's own distribution (log_softmax of the raw logits, before any of the
     processing above). `prompt_logprobs` returns, for each prompt token, its log-probability given the
-    tokens before it (None for the first).
+    tokens before it (None for the first). `top_logprobs` (with `logprobs`) also returns, per generated
+    token, the most likely `top_logprobs` tokens of that same distribution.
     """
 
     max_tokens: int = 16
@@ -36,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
@@ -70,6 +75,10 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "must be True or False")
+        _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                 self.top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _require(self.top_logprobs == 0 or self.logprobs, "top_logprobs", self.top_logprobs,
+                 "needs logprobs=True")
 
     @property
     def greedy(self) -> bool:

@@ -55,6 +55,32 @@ def test_logprobs_equal_log_softmax_of_reference_logits(setup):
     assert out.prompt_logprobs[1:] == pytest.approx(expected_prompt, abs=1e-4)
 
 
+def test_top_logprobs_are_the_most_likely_tokens_of_the_raw_distribution(setup):
+    _, _, hf_model, llm = setup
+    plain, top = llm.generate([PROMPT, PROMPT], [
+        SamplingParams(max_tokens=6, temperature=0.9, seed=5, logprobs=True, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.9, seed=5, logprobs=True, top_logprobs=3, ignore_eos=True)])
+    assert plain.top_logprobs is None and top.token_ids == plain.token_ids
+    ids = torch.tensor([top.prompt_token_ids + top.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(ids).logits[0].float(), dim=-1)  # [L, V]
+    n = len(top.prompt_token_ids)
+    for i, alternatives in enumerate(top.top_logprobs):
+        values, indices = ref[n - 1 + i].topk(3)
+        assert list(alternatives) == indices.tolist()
+        assert list(alternatives.values()) == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_logprobs=2), "needs logprobs=True"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+])
+def test_invalid_top_logprobs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
 def test_prompt_logprobs_survive_chunked_prefill(setup):
     _, engine, hf_model, _ = setup
     llm = LLM(engine, max_num_tokens=8)

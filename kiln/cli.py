@@ -6,9 +6,9 @@ import argparse
 import logging
 import sys
 
-from kiln.commands import build, evaluate, generate
+from kiln.commands import bench, build, evaluate, generate, serve, triton_repo
 
-COMMANDS = (build, generate, evaluate)
+COMMANDS = (build, generate, evaluate, serve, triton_repo, bench)
 
 
 def make_parser() -> argparse.ArgumentParser:

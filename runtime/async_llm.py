@@ -75,6 +75,11 @@ class AsyncLLM:
         self._send(("call", fn, args, done))
         return await asyncio.wrap_future(done)
 
+    @property
+    def is_running(self) -> bool:
+        """False once the engine thread has stopped (shutdown, or a crash)."""
+        return not self._stopped.is_set()
+
     def kv_cache_stats(self) -> dict[str, int]:
         """A snapshot; reads plain counters, safe from any thread."""
         return self.engine.kv_cache_stats()

@@ -1,0 +1,139 @@
+"""The engine as every front end sees it: admission (and refusal while shutting down), per-request
+deltas for streaming, metrics, and draining at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kiln.runtime.async_llm import AsyncLLM
+from kiln.runtime.engine import Prompt
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+
+from .errors import InvalidRequest, Unavailable
+from .metrics import ServeMetrics
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine update added to a request; `output` is the cumulative state."""
+
+    output: RequestOutput
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # new tokens
+    logprobs: list[float] = field(default_factory=list)  # new, when asked
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # new, when asked
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+
+class EngineService:
+    """Wraps an AsyncLLM for the servers. Use `generate` inside `contextlib.aclosing(...)` so that a
+    client that goes away aborts its request at once."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = ServeMetrics(llm.kv_cache_stats)
+        self.accepting = True
+        self._ids = itertools.count()
+        self._inflight: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.llm.engine.runtime.max_seq_len
+
+    @property
+    def ready(self) -> bool:
+        return self.accepting and self.llm.is_running
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def new_request_id(self, prefix: str = "kiln") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Yields a Delta per engine update; the last has `finished`. Invalid input raises InvalidRequest
+        (before anything is yielded); a server that is shutting down raises Unavailable."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down and takes no new requests")
+        request_id = request_id or self.new_request_id()
+        metrics = self.metrics
+        start = last = time.perf_counter()
+        stream = self.llm.generate(prompt, params, request_id=request_id)
+        self._inflight.add(request_id)
+        self._idle.clear()
+        outcome = "error"
+        text_len = tokens = lp_len = 0
+        try:
+            try:
+                out = await anext(stream)
+            except ValueError as e:
+                outcome = "rejected"
+                raise InvalidRequest(str(e)) from None
+            metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            while True:
+                now = time.perf_counter()
+                new = len(out.token_ids) - tokens
+                if new > 0:
+                    if tokens == 0:
+                        metrics.time_to_first_token.observe(now - start)
+                        new_gaps = new - 1
+                    else:
+                        new_gaps = new
+                    for _ in range(new_gaps):
+                        metrics.inter_token_latency.observe((now - last) / new)
+                    metrics.generation_tokens.inc(new)
+                    last = now
+                delta = Delta(out, out.text[text_len:], out.token_ids[tokens:],
+                              (out.logprobs or [])[lp_len:], (out.top_logprobs or [])[lp_len:])
+                text_len, tokens, lp_len = len(out.text), len(out.token_ids), len(out.logprobs or [])
+                if out.finished:
+                    outcome = out.finish_reason
+                    metrics.e2e_latency.observe(now - start)
+                    yield delta
+                    return
+                yield delta
+                out = await anext(stream)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "abort"
+            raise
+        finally:
+            metrics.requests.labels(outcome).inc()
+            await stream.aclose()  # aborts the request (and frees its blocks) unless it finished
+            self._inflight.discard(request_id)
+            if not self._inflight:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> int:
+        """Stops admitting; waits up to `timeout` s for running requests, then aborts the rest.
+        Returns how many were aborted."""
+        self.accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return 0
+        except asyncio.TimeoutError:
+            left = list(self._inflight)
+            for request_id in left:
+                await self.llm.abort(request_id)
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+            return len(left)

@@ -1,0 +1,45 @@
+"""Errors a front end turns into a 4xx/5xx answer (or the gRPC equivalent) while the server keeps serving."""
+
+from __future__ import annotations
+
+
+class RequestError(Exception):
+    """A request the server refuses; `status` is the HTTP status, `param` the offending field if any."""
+
+    status = 400
+    grpc_code = "INVALID_ARGUMENT"
+    openai_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(RequestError):
+    pass
+
+
+class Unauthorized(RequestError):
+    status = 401
+    grpc_code = "UNAUTHENTICATED"
+    openai_type = "authentication_error"
+
+
+class NotFound(RequestError):
+    status = 404
+    grpc_code = "NOT_FOUND"
+    openai_type = "not_found_error"
+
+
+class PayloadTooLarge(RequestError):
+    status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(RequestError):
+    """The server is shutting down (or not ready) and takes no new requests."""
+
+    status = 503
+    grpc_code = "UNAVAILABLE"
+    openai_type = "service_unavailable"

@@ -1,0 +1,91 @@
+"""The HTTP side of `kiln serve`: one aiohttp application for Triton/KServe v2 (`/v2`) and the OpenAI API
+(`/v1`), with the API key check and the error format of each protocol; and the metrics application."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from aiohttp import web
+
+from .config import ServeConfig
+from .engine_service import EngineService
+from .errors import NotFound, PayloadTooLarge, RequestError, Unauthorized
+
+SERVICE = web.AppKey("service", EngineService)
+CONFIG = web.AppKey("config", ServeConfig)
+# Probes (load balancers, Kubernetes) cannot send a key; these say nothing about the model.
+PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health"})
+
+
+def error_response(path: str, error: RequestError) -> web.Response:
+    """OpenAI's error object under /v1, Triton's `{"error": message}` elsewhere."""
+    if path.startswith("/v1"):
+        body = {"error": {"message": error.message, "type": error.openai_type, "param": error.param,
+                          "code": error.status}}
+    else:
+        body = {"error": error.message}
+    return web.json_response(body, status=error.status)
+
+
+def check_api_key(config: ServeConfig, authorization: str | None) -> None:
+    """Raises Unauthorized unless `authorization` is `Bearer <the key>` (or no key is configured)."""
+    if config.api_key is None:
+        return
+    expected = f"Bearer {config.api_key}"
+    if authorization is None or not hmac.compare_digest(authorization.encode(), expected.encode()):
+        raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'")
+
+
+@web.middleware
+async def _protocol_middleware(request: web.Request, handler):
+    try:
+        if request.path not in PUBLIC_PATHS:
+            check_api_key(request.app[CONFIG], request.headers.get("Authorization"))
+        return await handler(request)
+    except RequestError as e:
+        return error_response(request.path, e)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_request_bytes
+        return error_response(request.path, PayloadTooLarge(
+            f"request body is larger than the server's limit of {limit} bytes (--max-request-bytes)"))
+    except web.HTTPNotFound:
+        return error_response(request.path, NotFound(f"no route for {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed as e:
+        error = RequestError(f"{request.method} is not allowed on {request.path}; use {', '.join(e.allowed_methods)}")
+        error.status = 405
+        return error_response(request.path, error)
+
+
+async def read_json(request: web.Request) -> dict:
+    """The request body as a JSON object, or InvalidRequest saying what is wrong with it."""
+    from .errors import InvalidRequest
+
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def make_http_app(service: EngineService, config: ServeConfig) -> web.Application:
+    from . import kserve_http, openai_api
+
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_protocol_middleware])
+    app[SERVICE] = service
+    app[CONFIG] = config
+    kserve_http.add_routes(app)
+    openai_api.add_routes(app)
+    return app
+
+
+def make_metrics_app(service: EngineService) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=service.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    return app

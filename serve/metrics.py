@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server: request outcomes, latencies, token counts, and engine gauges read
+from the KV-cache statistics at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# `*_created` timestamp series only clutter the exposition (process-wide setting of prometheus_client).
+disable_created_metrics()
+
+# How a request ended: finish reasons, "abort" (client went away, or shutdown), "rejected" (invalid),
+# "error" (the engine failed).
+OUTCOMES = ("stop", "length", "abort", "rejected", "error")
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class ServeMetrics:
+    """The server's metrics, in a registry of their own (several servers may live in one process)."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kiln_requests", "Requests by outcome (stop, length, abort, rejected, error)",
+                                ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens", registry=r)
+        self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",
+                                             "From arrival to the first generated token", buckets=_LATENCY_BUCKETS,
+                                             registry=r)
+        self.inter_token_latency = Histogram("kiln_inter_token_latency_seconds",
+                                             "Between consecutive generated tokens of a request",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram("kiln_e2e_request_latency_seconds", "From arrival to the last token",
+                                     buckets=_E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges read from the engine's counters when scraped."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = engine_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._stats()
+        total = s["total_blocks"]
+        used = total - s["free_blocks"]
+        yield GaugeMetricFamily("kiln_num_requests_running", "Requests being generated", value=s["num_running"])
+        yield GaugeMetricFamily("kiln_num_requests_waiting", "Requests queued for admission", value=s["num_waiting"])
+        yield GaugeMetricFamily("kiln_kv_cache_blocks", "KV-cache blocks in all", value=total)
+        yield GaugeMetricFamily("kiln_kv_cache_free_blocks", "KV-cache blocks that could be allocated now",
+                                value=s["free_blocks"])
+        yield GaugeMetricFamily("kiln_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use",
+                                value=used / total if total else 0.0)
+        queried, hit = s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"]
+        yield CounterMetricFamily("kiln_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=queried)
+        yield CounterMetricFamily("kiln_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                                  value=hit)
+        yield GaugeMetricFamily("kiln_prefix_cache_hit_rate", "Hit tokens / queried tokens since start",
+                                value=hit / queried if queried else 0.0)
+        yield CounterMetricFamily("kiln_num_preemptions", "Requests preempted (and recomputed later)",
+                                  value=s["num_preemptions"])

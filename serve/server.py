@@ -1,0 +1,105 @@
+"""`kiln serve`: one process, one engine, three listeners (HTTP, gRPC, metrics) on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from kiln.runtime.async_llm import AsyncLLM
+
+from .config import ServeConfig
+from .engine_service import EngineService
+from .http_app import make_http_app, make_metrics_app
+
+logger = logging.getLogger("kiln.serve")
+
+
+def _grpc_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class KilnServer:
+    """Starts the listeners over an engine; `stop()` drains requests and closes everything.
+
+    After `start()`, `http_port`, `grpc_port` and `metrics_port` are the ports actually bound.
+    """
+
+    def __init__(self, config: ServeConfig, llm: AsyncLLM | None = None) -> None:
+        self.config = config
+        self.model_name = config.model_name or Path(config.engine_dir).resolve().name
+        self._llm = llm
+        self.service: EngineService | None = None
+        self.http_port = self.grpc_port = self.metrics_port = 0
+        self._runners: list[web.AppRunner] = []
+        self._grpc = None
+
+    async def start(self) -> None:
+        from . import kserve_grpc
+
+        c = self.config
+        if self._llm is None:
+            self._llm = await asyncio.to_thread(AsyncLLM, c.engine_dir, device=c.device,
+                                                max_batch_size=c.max_batch_size, max_num_tokens=c.max_num_tokens,
+                                                num_kv_blocks=c.num_kv_blocks)
+        self.service = EngineService(self._llm, self.model_name)
+        try:
+            self.http_port = await self._listen(make_http_app(self.service, c), c.http_port)
+            self.metrics_port = await self._listen(make_metrics_app(self.service), c.metrics_port)
+            self._grpc = kserve_grpc.make_server(self.service, c)
+            self.grpc_port = self._grpc.add_insecure_port(_grpc_address(c.host, c.grpc_port))
+            if self.grpc_port == 0:
+                raise OSError(f"cannot listen for gRPC on {_grpc_address(c.host, c.grpc_port)} (port in use?)")
+            await self._grpc.start()
+        except BaseException:
+            await self._close_listeners()
+            self._llm.shutdown()
+            raise
+        logger.info("serving %s: HTTP %s:%d, gRPC %s:%d, metrics %s:%d", self.model_name, c.host, self.http_port,
+                    c.host, self.grpc_port, c.host, self.metrics_port)
+
+    async def _listen(self, app: web.Application, port: int) -> int:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, self.config.host, port)
+        await site.start()
+        return runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Refuses new requests, gives running ones `shutdown_timeout_s` to finish, aborts the rest, closes."""
+        if self.service is not None:
+            aborted = await self.service.drain(self.config.shutdown_timeout_s)
+            if aborted:
+                logger.warning("aborted %d request(s) still running after %.0fs", aborted,
+                               self.config.shutdown_timeout_s)
+        await self._close_listeners()
+        if self._llm is not None:
+            await asyncio.to_thread(self._llm.shutdown)
+
+    async def _close_listeners(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+
+
+async def serve(config: ServeConfig) -> None:
+    """Runs until SIGTERM or SIGINT, then shuts down gracefully."""
+    server = KilnServer(config)
+    await server.start()
+    print(f"kiln serve: {server.model_name} ready on http://{config.host}:{server.http_port} (HTTP: Triton v2 + "
+          f"OpenAI), {config.host}:{server.grpc_port} (gRPC), http://{config.host}:{server.metrics_port}/metrics",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("kiln serve: stopping (finishing running requests)", flush=True)
+    await server.stop()
+    print("kiln serve: stopped", flush=True)

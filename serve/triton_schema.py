@@ -1,0 +1,100 @@
+"""The tensors of kiln's Triton model: names, types and shapes, as metadata and as a Triton ModelConfig.
+
+Names follow TensorRT-LLM's Triton ensemble, so clients written for it work unchanged. Every tensor has a
+leading batch dimension (the model's max_batch_size > 0): a request is one row, `[1, 1]` for scalars and
+`[1, N]` for word lists. One table here feeds the HTTP and gRPC metadata and config endpoints and the
+`config.pbtxt` that `kiln triton-repo` writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+# KServe v2 datatype -> (Triton config data_type, numpy dtype)
+DATATYPES: dict[str, tuple[str, object]] = {
+    "BOOL": ("TYPE_BOOL", np.bool_),
+    "INT32": ("TYPE_INT32", np.int32),
+    "INT64": ("TYPE_INT64", np.int64),
+    "UINT64": ("TYPE_UINT64", np.uint64),
+    "FP32": ("TYPE_FP32", np.float32),
+    "BYTES": ("TYPE_STRING", np.object_),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output tensor; `dims` excludes the batch dimension (-1 = any length)."""
+
+    name: str
+    datatype: str  # KServe v2 name: BOOL, INT32, UINT64, FP32, BYTES, ...
+    dims: tuple[int, ...]
+    optional: bool = True
+    description: str = ""
+
+
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_input", "BYTES", (1,), optional=False, description="the prompt (UTF-8)"),
+    TensorSpec("max_tokens", "INT32", (1,), optional=False, description="most tokens to generate"),
+    TensorSpec("temperature", "FP32", (1,), description="0 = greedy; default 0, or 1 when top_k/top_p is set"),
+    TensorSpec("top_k", "INT32", (1,), description="0 = off"),
+    TensorSpec("top_p", "FP32", (1,), description="nucleus mass in (0, 1]; 0 = off, as in TensorRT-LLM"),
+    TensorSpec("min_p", "FP32", (1,)),
+    TensorSpec("repetition_penalty", "FP32", (1,)),
+    TensorSpec("presence_penalty", "FP32", (1,)),
+    TensorSpec("frequency_penalty", "FP32", (1,)),
+    TensorSpec("seed", "UINT64", (1,), description="random seed (TensorRT-LLM's random_seed is accepted too)"),
+    TensorSpec("random_seed", "UINT64", (1,), description="TensorRT-LLM's name for seed"),
+    TensorSpec("stop_words", "BYTES", (-1,), description="strings that end generation (empty ones ignored)"),
+    TensorSpec("bad_words", "BYTES", (-1,), description="accepted for compatibility; must be empty"),
+    TensorSpec("end_id", "INT32", (1,), description="token id that ends generation instead of the model's EOS"),
+    TensorSpec("pad_id", "INT32", (1,), description="accepted for compatibility; unused"),
+    TensorSpec("beam_width", "INT32", (1,), description="accepted for compatibility; must be 1"),
+    TensorSpec("stream", "BOOL", (1,), description="stream text pieces (gRPC stream, generate_stream)"),
+    TensorSpec("return_log_probs", "BOOL", (1,), description="fill output_log_probs and cum_log_probs"),
+    TensorSpec("exclude_input_in_output", "BOOL", (1,),
+               description="text_output without the prompt (streamed pieces never repeat it)"),
+)
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_output", "BYTES", (-1,)),
+    TensorSpec("output_log_probs", "FP32", (-1,)),
+    TensorSpec("cum_log_probs", "FP32", (1,)),
+)
+INPUT_SPECS: Mapping[str, TensorSpec] = {t.name: t for t in INPUTS}
+OUTPUT_SPECS: Mapping[str, TensorSpec] = {t.name: t for t in OUTPUTS}
+MODEL_VERSION = "1"
+
+
+def model_metadata(model_name: str, platform: str = "kiln") -> dict:
+    """KServe v2 model metadata (`GET /v2/models/{name}`); shapes include the batch dimension (-1)."""
+    def tensors(specs):
+        return [{"name": t.name, "datatype": t.datatype, "shape": [-1, *t.dims]} for t in specs]
+    return {"name": model_name, "versions": [MODEL_VERSION], "platform": platform,
+            "inputs": tensors(INPUTS), "outputs": tensors(OUTPUTS)}
+
+
+def model_config(model_name: str, max_batch_size: int, *, backend: str = "kiln",
+                 parameters: Mapping[str, str] | None = None):
+    """The model's Triton `ModelConfig` protobuf (decoupled: one request may stream many responses)."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = mc.ModelConfig(name=model_name, backend=backend, max_batch_size=max_batch_size)
+    config.model_transaction_policy.decoupled = True
+    for spec in INPUTS:
+        config.input.append(mc.ModelInput(name=spec.name, data_type=mc.DataType.Value(DATATYPES[spec.datatype][0]),
+                                          dims=list(spec.dims), optional=spec.optional))
+    for spec in OUTPUTS:
+        config.output.append(mc.ModelOutput(name=spec.name, data_type=mc.DataType.Value(DATATYPES[spec.datatype][0]),
+                                            dims=list(spec.dims)))
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = str(value)
+    return config
+
+
+def model_config_json(config) -> dict:
+    """A ModelConfig as Triton's HTTP endpoint returns it (protobuf JSON with the proto field names)."""
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)

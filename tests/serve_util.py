@@ -1,0 +1,93 @@
+"""A real `kiln serve` server for tests: the bundled kiln-tiny-code (float32, CPU), in a background thread
+with its own event loop, on free ports. Clients (tritonclient, openai, raw HTTP) talk to it over sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from kiln.serve.config import ServeConfig
+from kiln.serve.server import KilnServer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MODEL_NAME = "kiln-tiny-code"
+# A minimal chat template (the bundled model has none): role-tagged turns, then the assistant's turn.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def build_tiny_code_engine(directory: Path) -> Path:
+    """kiln-tiny-code built in float32 (exact comparisons on the CPU); greedy outputs are deterministic."""
+    from kiln.builder.build import build_engine
+    from kiln.builder.build_config import BuildConfig
+
+    return build_engine(EXAMPLES / "kiln-tiny-code", directory, BuildConfig(dtype="float32", max_batch_size=16,
+                                                                           max_num_tokens=512), progress=False)
+
+
+class ServerThread:
+    """Runs KilnServer(config) on a private event loop in a thread; `stop()` shuts it down gracefully."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.server = KilnServer(config)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kiln-test-server", daemon=True)
+        self._thread.start()
+        self._started.wait(120)
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.start())
+        except BaseException as e:
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+
+    @property
+    def http_url(self) -> str:  # tritonclient.http wants host:port; use http_base for full URLs
+        return f"127.0.0.1:{self.server.http_port}"
+
+    @property
+    def http_base(self) -> str:
+        return f"http://127.0.0.1:{self.server.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+
+    @property
+    def service(self):
+        return self.server.service
+
+    def call(self, coro, timeout: float = 60):
+        """Runs a coroutine on the server's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def kv_cache_stats(self) -> dict[str, int]:
+        return self.server.service.llm.kv_cache_stats()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.call(self.server.stop(), timeout=120)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+
+
+def start_server(engine: Path, **overrides) -> ServerThread:
+    config = ServeConfig(engine_dir=str(engine), model_name=MODEL_NAME, http_port=0, grpc_port=0, metrics_port=0,
+                         chat_template=CHAT_TEMPLATE, shutdown_timeout_s=5.0)
+    return ServerThread(replace(config, **overrides))

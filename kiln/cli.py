@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (BuildError, EngineError, ValueError) as e:
-        name = args.command + (f" {args.eval_kind}" if args.command == "eval" else "")
+        kind = getattr(args, "eval_kind", None) or getattr(args, "bench_kind", None)
+        name = args.command + (f" {kind}" if kind else "")
         print(f"kiln {name}: error: {e}", file=sys.stderr)
         return 2
 

@@ -4,6 +4,7 @@ deltas for streaming, metrics, and draining at shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -119,7 +120,11 @@ class EngineService:
             raise
         finally:
             metrics.requests.labels(outcome).inc()
-            await stream.aclose()  # aborts the request (and frees its blocks) unless it finished
+            if outcome in ("abort", "error"):
+                # Wait for the engine to drop it, so its KV blocks are free once the consumer moves on.
+                with contextlib.suppress(RuntimeError):  # the engine has stopped: nothing left to free
+                    await self.llm.abort(request_id)
+            await stream.aclose()
             self._inflight.discard(request_id)
             if not self._inflight:
                 self._idle.set()

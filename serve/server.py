@@ -62,7 +62,9 @@ class KilnServer:
                     c.host, self.grpc_port, c.host, self.metrics_port)
 
     async def _listen(self, app: web.Application, port: int) -> int:
-        runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
+        # and frees its KV blocks at once instead of at the next write.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, self.config.host, port)

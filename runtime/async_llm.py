@@ -49,7 +49,11 @@ class AsyncLLM:
         sink: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", prompt, sampling_params, request_id, loop, sink, added))
-        request_id = await asyncio.wrap_future(added)
+        try:
+            request_id = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # cancelled while the engine adds it: abort it once added
+            added.add_done_callback(self._abort_if_added)
+            raise
         finished = False
         try:
             while True:
@@ -63,6 +67,10 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._send(("abort", request_id, None))
+
+    def _abort_if_added(self, added: concurrent.futures.Future) -> None:
+        if not added.cancelled() and added.exception() is None:
+            self._send(("abort", added.result(), None))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -126,6 +134,8 @@ class AsyncLLM:
         kind = command[0]
         if kind == "add":
             _, prompt, params, request_id, loop, sink, added = command
+            if not added.set_running_or_notify_cancel():  # its caller was cancelled before it got here
+                return
             try:
                 request_id = self.engine.add_request(prompt, params, request_id)
             except (ValueError, TypeError) as e:
@@ -138,10 +148,12 @@ class AsyncLLM:
             out = self.engine.abort(request_id)
             if out is not None:
                 self._deliver(out)
-            if done is not None:
+            if done is not None and done.set_running_or_notify_cancel():
                 done.set_result(out)
         elif kind == "call":
             _, fn, args, done = command
+            if not done.set_running_or_notify_cancel():
+                return
             try:
                 done.set_result(fn(self.engine, *args))
             except Exception as e:

@@ -116,7 +116,8 @@ class EngineService:
                 yield delta
                 out = await anext(stream)
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "abort"
+            if outcome == "error":  # not finished yet: the consumer left (a consumer closing after the
+                outcome = "abort"   # final delta changes nothing)
             raise
         finally:
             metrics.requests.labels(outcome).inc()

@@ -64,7 +64,7 @@ async def read_json(request: web.Request) -> dict:
     raw = await request.read()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")

@@ -1,12 +1,328 @@
-"""Triton's gRPC service `inference.GRPCInferenceService`, on the stubs that tritonclient ships."""
+"""Triton's gRPC service `inference.GRPCInferenceService`, on the stubs that tritonclient ships.
+
+ModelInfer runs each batch row as its own engine request and answers once with the whole text.
+ModelStreamInfer is decoupled, as Triton serves TensorRT-LLM: the requests on one stream run concurrently,
+each answered by one response per text piece (input `stream` true) or by one response, every response
+marked with the parameter `triton_final_response`. A client that goes away cancels its RPC, which aborts
+its engine requests and frees their KV blocks. With an API key, every RPC but ServerLive and ServerReady
+needs the metadata `authorization: Bearer KEY`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import logging
+import struct
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+
 import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+import kiln
 
 from .config import ServeConfig
 from .engine_service import EngineService
+from .errors import InvalidRequest, NotFound, RequestError
+from .http_app import check_api_key
+from .triton_request import (
+    TritonRequest,
+    check_datatype,
+    check_requested_outputs,
+    make_outputs,
+    numpy_dtype,
+    parse_request,
+)
+from .triton_schema import MODEL_VERSION, OUTPUT_SPECS, model_config, model_metadata
+
+logger = logging.getLogger("kiln.serve")
+
+EXTENSIONS = ("model_configuration", "parameters")
+FINAL = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
+# The `InferTensorContents` field that holds each datatype (when raw_input_contents is not used).
+_CONTENTS = {"BOOL": "bool_contents", "INT32": "int_contents", "INT64": "int64_contents",
+             "UINT64": "uint64_contents", "FP32": "fp32_contents", "BYTES": "bytes_contents"}
+_UNIMPLEMENTED = ("ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+                  "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                  "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
+                  "TraceSetting", "LogSettings")
+
+
+# ---- tensors ------------------------------------------------------------------------------------------
+def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+    """The input tensors as numpy arrays of their declared shapes (BYTES: object arrays of bytes)."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents; "
+                             "give raw contents for every input or for none")
+    arrays: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        name = tensor.name
+        check_datatype(name, tensor.datatype)
+        if name in arrays:
+            raise InvalidRequest(f"input '{name}' is given twice", name)
+        shape = tuple(tensor.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidRequest(f"input '{name}' has shape {list(shape)}; dimensions must be >= 0", name)
+        values = _from_raw(name, tensor.datatype, raw[i]) if raw else _from_contents(tensor)
+        count = int(np.prod(shape))
+        if values.size != count:
+            where = "raw_input_contents" if raw else f"contents.{_CONTENTS[tensor.datatype]}"
+            raise InvalidRequest(f"input '{name}' has {values.size} elements in {where} but its shape "
+                                 f"{list(shape)} needs {count}", name)
+        arrays[name] = values.reshape(shape)
+    return arrays
+
+
+def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray:
+    values = list(getattr(tensor.contents, _CONTENTS[tensor.datatype]))
+    return np.array(values, dtype=numpy_dtype(tensor.datatype)).reshape(len(values))
+
+
+def _from_raw(name: str, datatype: str, buffer: bytes) -> np.ndarray:
+    """Triton's raw layout: little-endian elements; BYTES elements are a 4-byte little-endian length, then
+    the bytes."""
+    if datatype != "BYTES":
+        dtype = np.dtype(numpy_dtype(datatype)).newbyteorder("<")
+        if len(buffer) % dtype.itemsize:
+            raise InvalidRequest(f"input '{name}': {len(buffer)} raw bytes are not a whole number of {datatype} "
+                                 "elements", name)
+        return np.frombuffer(buffer, dtype=dtype)
+    items, offset = [], 0
+    while offset < len(buffer):
+        if offset + 4 > len(buffer):
+            raise InvalidRequest(f"input '{name}': raw BYTES contents end inside an element's length", name)
+        (length,) = struct.unpack_from("<I", buffer, offset)
+        offset += 4
+        if offset + length > len(buffer):
+            raise InvalidRequest(f"input '{name}': a raw BYTES element says {length} bytes but fewer are left "
+                                 "(each element is a 4-byte little-endian length, then the bytes)", name)
+        items.append(buffer[offset:offset + length])
+        offset += length
+    array = np.empty(len(items), dtype=np.object_)
+    array[:] = items
+    return array
+
+
+def encode_outputs(outputs: Mapping[str, np.ndarray], response: pb.ModelInferResponse) -> None:
+    """Appends the outputs to `response` as tensors with raw contents (as Triton answers tritonclient)."""
+    for name, array in outputs.items():
+        datatype = OUTPUT_SPECS[name].datatype
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        if datatype == "BYTES":
+            raw = b"".join(struct.pack("<I", len(item)) + item for item in array.flat)
+        else:
+            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        response.raw_output_contents.append(raw)
+
+
+# ---- the service --------------------------------------------------------------------------------------
+def _check_api_key(config: ServeConfig, context: grpc.aio.ServicerContext) -> None:
+    """Raises Unauthorized unless the metadata has `authorization: Bearer <key>` (gRPC keys are lowercase)."""
+    check_api_key(config, dict(context.invocation_metadata() or ()).get("authorization"))
+
+
+def _rpc(method):
+    """Checks the API key; a RequestError becomes its gRPC status (the server keeps serving)."""
+    @functools.wraps(method)
+    async def checked(self: KServeServicer, request, context: grpc.aio.ServicerContext):
+        try:
+            _check_api_key(self.config, context)
+            return await method(self, request, context)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode[e.grpc_code], e.message)
+    return checked
+
+
+async def _cancel_and_wait(tasks: Collection[asyncio.Task]) -> None:
+    """Cancels each task once and waits for it to end. Not with gather: a second cancellation of the caller
+    would reach the tasks again and cut short their cleanup (aborting their engine requests)."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+
+
+async def _all_or_none(coroutines: Sequence[Coroutine]) -> list:
+    """Runs the coroutines concurrently; the first failure cancels the others (aborting their requests)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        await _cancel_and_wait(tasks)
+    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]
+
+
+class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """One model (`service.model_name`, version 1); the RPCs of Triton's gRPC protocol that apply to it."""
+
+    def __init__(self, service: EngineService, config: ServeConfig) -> None:
+        self.service = service
+        self.config = config
+
+    def _check_model(self, name: str, version: str) -> None:
+        if name != self.service.model_name:
+            raise NotFound(f"unknown model '{name}'; this server serves '{self.service.model_name}'")
+        if version not in ("", MODEL_VERSION):
+            raise NotFound(f"model '{name}' has no version '{version}'; its only version is {MODEL_VERSION}")
+
+    @property
+    def _max_batch_size(self) -> int:
+        return self.service.llm.engine.runtime.max_batch_size
+
+    # Probes (load balancers, Kubernetes) cannot send a key; these say nothing about the model.
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.service.ready)
+
+    @_rpc
+    async def ModelReady(self, request, context):
+        self._check_model(request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.service.ready)
+
+    @_rpc
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="kiln", version=kiln.__version__, extensions=EXTENSIONS)
+
+    @_rpc
+    async def ModelMetadata(self, request, context):
+        self._check_model(request.name, request.version)
+        meta = model_metadata(self.service.model_name)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+                                        inputs=[tensor(**t) for t in meta["inputs"]],
+                                        outputs=[tensor(**t) for t in meta["outputs"]])
+
+    @_rpc
+    async def ModelConfig(self, request, context):
+        self._check_model(request.name, request.version)
+        return pb.ModelConfigResponse(config=model_config(self.service.model_name, self._max_batch_size))
+
+    @_rpc
+    async def ModelInfer(self, request, context):
+        rows, names = self._parse(request)
+        return self._response(request, await self._infer(rows, names))
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Starts each request as it arrives; responses go out as they are made, in any order (their `id`
+        says whose). A failed request answers with `error_message` and the stream goes on."""
+        try:
+            _check_api_key(self.config, context)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode[e.grpc_code], e.message)
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._serve_stream(request_iterator, responses.put_nowait))
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+            await reader  # raises what ended the stream, if anything did
+        finally:  # the client went away (or the server stops): abort what still runs
+            await _cancel_and_wait([reader])
+
+    # ---- inference --------------------------------------------------------------------------------
+    def _parse(self, request: pb.ModelInferRequest) -> tuple[list[TritonRequest], list[str]]:
+        self._check_model(request.model_name, request.model_version)
+        rows = parse_request(decode_inputs(request))
+        if len(rows) > self._max_batch_size:
+            raise InvalidRequest(f"batch size {len(rows)} is more than the model's max_batch_size "
+                                 f"{self._max_batch_size}", "text_input")
+        return rows, check_requested_outputs([o.name for o in request.outputs], rows)
+
+    def _response(self, request: pb.ModelInferRequest, outputs: Mapping[str, np.ndarray],
+                  final: bool | None = None) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=self.service.model_name, model_version=MODEL_VERSION,
+                                         id=request.id)
+        encode_outputs(outputs, response)
+        if final is not None:
+            response.parameters[FINAL].bool_param = final
+        return response
+
+    async def _infer(self, rows: Sequence[TritonRequest], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Every row to completion, concurrently: text_output is the prompt and the generated text."""
+        results = await _all_or_none([self._complete(row) for row in rows])
+        return make_outputs(names, [text for text, _ in results], [logprobs for _, logprobs in results])
+
+    async def _complete(self, row: TritonRequest) -> tuple[str, list[float]]:
+        async with contextlib.aclosing(self.service.generate(row.prompt, row.params)) as stream:
+            async for delta in stream:
+                out = delta.output
+        return (out.text if row.exclude_input else row.prompt + out.text), list(out.logprobs or [])
+
+    async def _serve_stream(self, request_iterator, emit: Callable[[pb.ModelStreamInferResponse | None], None]):
+        """Runs each incoming request in a task of its own; after the client's last request and their
+        responses, emits None."""
+        tasks: set[asyncio.Task] = set()
+        try:
+            async for request in request_iterator:
+                task = asyncio.ensure_future(self._stream_request(request, emit))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.wait(tasks)
+        finally:
+            await _cancel_and_wait(list(tasks))
+            emit(None)
+
+    async def _stream_request(self, request: pb.ModelInferRequest,
+                              emit: Callable[[pb.ModelStreamInferResponse], None]) -> None:
+        empty_final = EMPTY_FINAL in request.parameters and request.parameters[EMPTY_FINAL].bool_param
+        try:
+            rows, names = self._parse(request)
+            if any(row.stream for row in rows):
+                if len(rows) != 1:
+                    raise InvalidRequest(f"input 'stream' is true with batch size {len(rows)}; streaming takes "
+                                         "one request (batch size 1) at a time", "stream")
+                await self._stream_text(request, rows[0], names, emit, last_is_final=not empty_final)
+            else:
+                outputs = await self._infer(rows, names)
+                emit(pb.ModelStreamInferResponse(infer_response=self._response(request, outputs, not empty_final)))
+            if empty_final:
+                emit(pb.ModelStreamInferResponse(infer_response=self._response(request, {}, True)))
+        except Exception as e:  # this request fails; the stream keeps serving the others
+            if not isinstance(e, RequestError):
+                logger.exception("gRPC stream request %r failed", request.id)
+            message = e.message if isinstance(e, RequestError) else f"internal error: {e!r}"
+            emit(pb.ModelStreamInferResponse(error_message=message, infer_response=self._response(request, {}, True)))
+
+    async def _stream_text(self, request: pb.ModelInferRequest, row: TritonRequest, names: Sequence[str],
+                           emit: Callable[[pb.ModelStreamInferResponse], None], last_is_final: bool) -> None:
+        """One response per new piece of text (never the prompt): output_log_probs holds the piece's tokens,
+        cum_log_probs the sum over all tokens so far."""
+        async with contextlib.aclosing(self.service.generate(row.prompt, row.params)) as stream:
+            async for delta in stream:
+                if not (delta.text or delta.finished or (row.return_log_probs and delta.logprobs)):
+                    continue  # nothing to show yet (e.g. text a stop string might still cut)
+                outputs = make_outputs(names, [delta.text], [delta.logprobs])
+                if "cum_log_probs" in outputs:
+                    outputs["cum_log_probs"][0, 0] = sum(delta.output.logprobs or [])
+                final = delta.finished and last_is_final
+                emit(pb.ModelStreamInferResponse(infer_response=self._response(request, outputs, final)))
+
+
+def _unimplemented(name: str):
+    @_rpc
+    async def method(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"kiln serve does not implement the {name} RPC "
+                            "(no statistics, model repository, shared memory, trace or logging control)")
+    method.__name__ = name
+    return method
+
+
+for _name in _UNIMPLEMENTED:
+    setattr(KServeServicer, _name, _unimplemented(_name))
 
 
 def make_server(service: EngineService, config: ServeConfig) -> grpc.aio.Server:
-    return grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_request_bytes)])
+    """The gRPC server with the service added; the caller adds the port and starts it."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_request_bytes)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(service, config), server)
+    return server

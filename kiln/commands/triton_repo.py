@@ -4,11 +4,56 @@ from __future__ import annotations
 
 import argparse
 
+_BOOLS = {"true": True, "false": False}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in _BOOLS:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return _BOOLS[text.lower()]
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository for an engine")
+    from kiln.serve.triton_repo import SCHEDULER_POLICIES
+
+    p = sub.add_parser(
+        "triton-repo", help="write a Triton Inference Server model repository for an engine",
+        description="Write REPO/NAME/config.pbtxt and REPO/NAME/1/model.py: a decoupled Triton Python-backend "
+                    "model that serves the engine with kiln's in-flight batching, with the tensors of "
+                    "TensorRT-LLM's Triton ensemble (text_input, max_tokens, stream, ... -> text_output). "
+                    "Serve it with `tritonserver --model-repository REPO`; kiln must be installed in the "
+                    "Python backend's environment.")
+    p.add_argument("--engine", required=True, help="engine directory made by `kiln build`")
+    p.add_argument("--output", required=True, metavar="REPO", help="model repository directory (created if needed)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model's name in Triton (default: the engine directory's name)")
+    p.add_argument("--max-batch-size", type=int, default=None, metavar="N",
+                   help="requests per engine step and rows per Triton request (default and most: the engine's)")
+    p.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9, metavar="F",
+                   help="share of the GPU memory left free after loading the weights that the KV cache takes "
+                        "(CUDA engines; default 0.9)")
+    p.add_argument("--enable-kv-cache-reuse", type=_bool, default=True, metavar="true|false",
+                   help="prefix caching: reuse the KV blocks of earlier prompts (default true)")
+    p.add_argument("--batch-scheduler-policy", choices=SCHEDULER_POLICIES, default="max_utilization",
+                   help="max_utilization: admit every request at once, preempting the newest when KV blocks "
+                        "run short; guaranteed_no_evict: admit a request only when its prompt + max_tokens fits "
+                        "beside the running ones (default max_utilization)")
+    p.add_argument("--force", action="store_true", help="replace an existing REPO/NAME")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ValueError("not implemented yet")
+    from kiln.serve.triton_repo import write_repository
+
+    model = write_repository(
+        args.engine, args.output, model_name=args.model_name, max_batch_size=args.max_batch_size,
+        batch_scheduler_policy=args.batch_scheduler_policy,
+        kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
+        enable_kv_cache_reuse=args.enable_kv_cache_reuse, force=args.force)
+    repo = model.model_dir.parent
+    print(f"wrote {model.config_file} (python backend, decoupled, max_batch_size {model.max_batch_size}, "
+          f"{model.instance_kind})")
+    print(f"wrote {model.model_file}")
+    print(f"serve it with: tritonserver --model-repository {repo}  (kiln must be installed in the Python "
+          f"backend's environment)")
+    return 0

@@ -1,0 +1,183 @@
+"""kiln's model for Triton's Python backend; `kiln triton-repo` copies this file to REPO/NAME/1/model.py.
+
+Triton runs it in the Python backend's own process, where `triton_python_backend_utils` exists (kiln's tests
+use a stand-in, tests/triton_stub) and kiln must be installed. The model is decoupled: `execute` parses each
+request (the tensors of kiln.serve.triton_schema, named as in TensorRT-LLM's Triton ensemble), hands its
+rows to the engine thread (kiln.serve.triton_engine_loop) and returns None; the responses follow through
+each request's response sender:
+- stream=true (one row per request): a response per new piece of text, never the prompt; the last one
+  carries TRITONSERVER_RESPONSE_COMPLETE_FINAL (or the flag comes alone when the last step added no text);
+- otherwise one final response with every row's text: prompt + completion, or only the completion with
+  exclude_input_in_output=true.
+With return_log_probs, output_log_probs holds the log-probabilities of the tokens a response adds (all of
+them, or a streamed piece's) and cum_log_probs the sum over every token so far. An invalid request gets one
+error response with the final flag; a request whose client cancelled is aborted, freeing its KV blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from kiln.builder.engine_format import load_engine_spec
+from kiln.runtime.outputs import RequestOutput
+from kiln.serve.errors import InvalidRequest
+from kiln.serve.triton_engine_loop import EngineLoop
+from kiln.serve.triton_repo import BackendParameters
+from kiln.serve.triton_request import TritonRequest, check_requested_outputs, make_outputs, parse_request
+from kiln.serve.triton_schema import INPUTS, OUTPUT_SPECS
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        """Reads config.pbtxt (as JSON), loads the engine on this instance's device, starts the engine thread."""
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "kiln's model streams responses: config.pbtxt needs model_transaction_policy { decoupled: true }")
+        params = BackendParameters.from_strings(
+            {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()})
+        engine = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
+        self.loop = EngineLoop(engine, params.batch_scheduler_policy)
+
+    def execute(self, requests: list) -> None:
+        """Submits every request to the engine thread and returns at once (in-flight batching: they join
+        the running batch at its next step)."""
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for spec in INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+                    if tensor is not None:
+                        inputs[spec.name] = tensor.as_numpy()
+                rows = parse_request(inputs)
+                names = check_requested_outputs(_named_outputs(request), rows)
+                if len(rows) > 1 and any(row.stream for row in rows):
+                    raise InvalidRequest("stream=true takes one prompt per request (batch size 1)", "stream")
+                sink = _StreamSink(sender, names) if rows[0].stream else _WholeSink(sender, rows, names)
+                self.loop.submit([row.prompt for row in rows], [row.params for row in rows], sink)
+            except InvalidRequest as e:
+                sender.send(error_response(e.message, "INVALID_ARG"), flags=FINAL)
+            except RuntimeError as e:  # the engine thread has stopped
+                sender.send(error_response(str(e), "UNAVAILABLE"), flags=FINAL)
+        return None
+
+    def finalize(self) -> None:
+        """Aborts every request (each gets an error response with the final flag) and stops the engine thread."""
+        self.loop.stop()
+
+
+def instance_device(args: dict, params: BackendParameters) -> str:
+    """The device of this model instance: Triton's instance kind and device id, else the engine's target."""
+    kind = args.get("model_instance_kind")
+    if kind == "GPU":
+        return f"cuda:{args.get('model_instance_device_id', '0')}"
+    if kind == "CPU":
+        return "cpu"
+    return load_engine_spec(params.engine_dir).target.get("device_type", "cpu")
+
+
+def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int | None):
+    """The LLMEngine; on CUDA its KV cache takes kv_cache_free_gpu_mem_fraction of the memory left free once
+    the weights are loaded (TensorRT-LLM's meaning). On the CPU the runtime sizes the cache as it does by
+    default (enough for max_batch_size sequences of max_seq_len, within 30% of available host memory)."""
+    import torch
+
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.engine_loader import load_engine
+    from kiln.runtime.model_runner import ModelRunner
+
+    on_cuda = torch.device(device).type == "cuda"
+    loaded, runtime = load_engine(params.engine_dir, device=device, max_batch_size=max_batch_size,
+                                  num_kv_blocks=1 if on_cuda else None,  # placeholder, sized below
+                                  enable_prefix_caching=params.enable_kv_cache_reuse)
+    if on_cuda:
+        free, _ = torch.cuda.mem_get_info(runtime.device)
+        per_block = ModelRunner.kv_bytes_per_block(loaded.model_config, runtime.block_size, runtime.dtype)
+        blocks = int(free * params.kv_cache_free_gpu_mem_fraction) // per_block
+        runtime = dataclasses.replace(runtime, num_kv_blocks=max(1, blocks))
+    return LLMEngine(loaded, runtime)
+
+
+def error_response(message: str, code: str):
+    code_value = getattr(pb_utils.TritonError, code, None)  # error codes exist since Triton 23.09
+    error = pb_utils.TritonError(message) if code_value is None else pb_utils.TritonError(message, code_value)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def _named_outputs(request) -> list[str]:
+    names = list(request.requested_output_names())
+    # Triton fills in every output of the model when the client names none, so "all of them" is read as
+    # "the defaults": the log-prob outputs only for requests with return_log_probs.
+    return [] if set(names) == set(OUTPUT_SPECS) else names
+
+
+def _response(arrays: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items()])
+
+
+class _Sink:
+    """One Triton request's way back: its response sender (used on the engine thread only)."""
+
+    def __init__(self, sender, names: list[str]) -> None:
+        self.sender = sender
+        self.names = names
+        # Response senders tell about cancellation since Triton 23.10; before, a request runs to its end.
+        self.cancelled = getattr(sender, "is_cancelled", lambda: False)
+
+    def reject(self, message: str) -> None:
+        self.sender.send(error_response(message, "INVALID_ARG"), flags=FINAL)
+
+    def abort(self, message: str | None) -> None:
+        if message is None:  # cancelled: nobody reads a response, but Triton still needs the final flag
+            self.sender.send(flags=FINAL)
+        else:
+            self.sender.send(error_response(message, "UNAVAILABLE"), flags=FINAL)
+
+
+class _StreamSink(_Sink):
+    """stream=true: a response per new piece of text, the last one final."""
+
+    def __init__(self, sender, names: list[str]) -> None:
+        super().__init__(sender, names)
+        self.text_len = 0
+        self.num_logprobs = 0
+
+    def update(self, row: int, output: RequestOutput) -> None:
+        piece = output.text[self.text_len:]
+        logprobs = output.logprobs or []
+        new_logprobs = logprobs[self.num_logprobs:]
+        self.text_len, self.num_logprobs = len(output.text), len(logprobs)
+        flags = FINAL if output.finished else 0
+        if not piece and not new_logprobs:
+            if output.finished:
+                self.sender.send(flags=FINAL)
+            return
+        arrays = make_outputs(self.names, [piece], [new_logprobs])
+        if "cum_log_probs" in arrays:  # a running total, not the sum over this piece
+            arrays["cum_log_probs"] = make_outputs(["cum_log_probs"], [""], [logprobs])["cum_log_probs"]
+        self.sender.send(_response(arrays), flags=flags)
+
+
+class _WholeSink(_Sink):
+    """stream=false: one final response once every row has finished."""
+
+    def __init__(self, sender, rows: list[TritonRequest], names: list[str]) -> None:
+        super().__init__(sender, names)
+        self.rows = rows
+        self.outputs: list[RequestOutput | None] = [None] * len(rows)
+
+    def update(self, row: int, output: RequestOutput) -> None:
+        self.outputs[row] = output
+        if not all(out is not None and out.finished for out in self.outputs):
+            return
+        texts = [("" if request.exclude_input else request.prompt) + out.text
+                 for request, out in zip(self.rows, self.outputs)]
+        logprobs = [out.logprobs or [] for out in self.outputs]
+        self.sender.send(_response(make_outputs(self.names, texts, logprobs)), flags=FINAL)

@@ -1,0 +1,337 @@
+"""`kiln triton-repo`: the written config.pbtxt read with Triton's own schema, and the written model.py run
+the way Triton's Python backend runs it, against a stand-in of `triton_python_backend_utils`
+(tests/triton_stub: no Triton server can run in CI)."""
+
+import importlib.util
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from kiln.cli import main
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.engine import LLMEngine
+from kiln.runtime.engine_loader import load_engine
+from kiln.serve.triton_engine_loop import EngineLoop
+from kiln.serve.triton_repo import MODEL_SOURCE
+from kiln.serve.triton_schema import DATATYPES, INPUT_SPECS, INPUTS, OUTPUT_SPECS, OUTPUTS
+
+sys.path.insert(0, str(Path(__file__).parent / "triton_stub"))
+import triton_python_backend_utils as pb  # noqa: E402
+
+FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+MAX_TOKENS = 12
+PROMPTS = ("def fibonacci(n):", "class Stack:", "import os\n", "def add(a, b):")
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_code_engine, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("triton") / "models"
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(repo)]) == 0
+    return repo
+
+
+@pytest.fixture(scope="module")
+def references(tiny_code_engine):
+    """Greedy outputs (with logprobs) of PROMPTS."""
+    outputs = LLM(tiny_code_engine).generate(list(PROMPTS), SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                           logprobs=True))
+    return dict(zip(PROMPTS, outputs))
+
+
+def read_config(model_dir: Path) -> mc.ModelConfig:
+    return text_format.Parse((model_dir / "config.pbtxt").read_text(), mc.ModelConfig())
+
+
+def load_model(model_dir: Path, parse_config=read_config):
+    """Imports model_dir/1/model.py and initializes it with the args Triton's Python backend passes."""
+    spec = importlib.util.spec_from_file_location(f"kiln_triton_model_{time.monotonic_ns()}",
+                                                  model_dir / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    config = parse_config(model_dir)
+    model.initialize({
+        "model_config": json_format.MessageToJson(config, preserving_proto_field_name=True),
+        "model_instance_kind": "CPU", "model_instance_name": f"{config.name}_0_0", "model_instance_device_id": "0",
+        "model_repository": str(model_dir), "model_version": "1", "model_name": config.name})
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(repo, tiny_code_engine):
+    model = load_model(repo / tiny_code_engine.name)
+    yield model
+    model.finalize()
+
+
+def make_request(prompts, max_tokens=MAX_TOKENS, outputs=None, **scalars):
+    """One Triton request: a row per prompt. `outputs=None` asks for every output, as Triton does for a
+    client that names none."""
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    tensors = [pb.Tensor("text_input", np.array([[p.encode()] for p in prompts], dtype=np.object_))]
+    if max_tokens is not None:
+        scalars["max_tokens"] = max_tokens
+    for name, value in scalars.items():
+        dtype = DATATYPES[INPUT_SPECS[name].datatype][1]
+        tensors.append(pb.Tensor(name, np.array([[value]] * len(prompts), dtype=dtype)))
+    return pb.InferenceRequest(tensors, list(OUTPUT_SPECS) if outputs is None else outputs)
+
+
+def execute(model, *requests):
+    assert model.execute(list(requests)) is None  # decoupled: the responses come through the senders
+    for request in requests:
+        request.release()  # Triton frees the input tensors once execute returns
+
+
+def wait_for(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def outputs_of(response) -> dict[str, np.ndarray]:
+    assert not response.has_error(), response.error().message()
+    return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+
+
+def texts(response) -> list[str]:
+    return [row[0].decode() for row in outputs_of(response)["text_output"]]
+
+
+def streamed(request) -> str:
+    return "".join(texts(response)[0] for response in request.sender.responses)
+
+
+def error_of(request) -> str:
+    """The request's one response: an error, sent with the final flag."""
+    assert request.sender.wait_final(30)
+    [(_, response, flags)] = request.sender.sends
+    assert flags == FINAL and response.has_error()
+    return response.error().message()
+
+
+# ---- config.pbtxt ------------------------------------------------------------------------------
+
+def test_config_pbtxt_is_a_decoupled_python_model_with_the_schema_tensors(repo, tiny_code_engine, capsys):
+    model_dir = repo / tiny_code_engine.name
+    config = read_config(model_dir)
+    assert config.name == tiny_code_engine.name and config.backend == "python" and not config.platform
+    assert config.model_transaction_policy.decoupled
+    assert config.max_batch_size == 16  # the engine's
+    assert [(t.name, mc.DataType.Name(t.data_type), list(t.dims), t.optional) for t in config.input] == [
+        (t.name, DATATYPES[t.datatype][0], list(t.dims), t.optional) for t in INPUTS]
+    assert [(t.name, mc.DataType.Name(t.data_type), list(t.dims)) for t in config.output] == [
+        (t.name, DATATYPES[t.datatype][0], list(t.dims)) for t in OUTPUTS]
+    assert [(mc.ModelInstanceGroup.Kind.Name(g.kind), g.count) for g in config.instance_group] == [("KIND_CPU", 1)]
+    assert {k: v.string_value for k, v in config.parameters.items()} == {
+        "engine_dir": str(tiny_code_engine.resolve()), "batch_scheduler_policy": "max_utilization",
+        "kv_cache_free_gpu_mem_fraction": "0.9", "enable_kv_cache_reuse": "true"}
+    assert (model_dir / "1" / "model.py").read_text() == MODEL_SOURCE.read_text()
+    assert sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*")) == [
+        tiny_code_engine.name, f"{tiny_code_engine.name}/1", f"{tiny_code_engine.name}/1/model.py",
+        f"{tiny_code_engine.name}/config.pbtxt"]
+
+
+def test_cli_options_reach_the_config(tiny_code_engine, tmp_path, capsys):
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path), "--model-name",
+                 "code.v1-x", "--max-batch-size", "4", "--kv-cache-free-gpu-mem-fraction", "0.5",
+                 "--enable-kv-cache-reuse", "false", "--batch-scheduler-policy", "guaranteed_no_evict"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "code.v1-x" / "config.pbtxt") in out and str(tmp_path / "code.v1-x" / "1" / "model.py") in out
+    assert f"tritonserver --model-repository {tmp_path}" in out
+    config = read_config(tmp_path / "code.v1-x")
+    assert config.name == "code.v1-x" and config.max_batch_size == 4
+    assert {k: v.string_value for k, v in config.parameters.items() if k != "engine_dir"} == {
+        "batch_scheduler_policy": "guaranteed_no_evict", "kv_cache_free_gpu_mem_fraction": "0.5",
+        "enable_kv_cache_reuse": "false"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-name", "a/b"], "model name 'a/b' is not usable"),
+    (["--model-name", ".hidden"], "model name '.hidden' is not usable"),
+    (["--max-batch-size", "17"], "--max-batch-size 17 must be between 1 and the engine's built limit 16"),
+    (["--kv-cache-free-gpu-mem-fraction", "1.5"], "kv_cache_free_gpu_mem_fraction=1.5 must be a number in (0, 1]"),
+])
+def test_cli_refuses_bad_options(tiny_code_engine, tmp_path, capsys, argv, message):
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln triton-repo: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_cli_refuses_a_directory_that_is_not_an_engine(tmp_path, capsys):
+    (tmp_path / "not-an-engine").mkdir()
+    assert main(["triton-repo", "--engine", str(tmp_path / "not-an-engine"), "--output", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln triton-repo: error: ") and "engine.json" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_replaces_an_existing_model_only_with_force(tiny_code_engine, tmp_path, capsys):
+    argv = ["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path), "--model-name", "m"]
+    assert main(argv) == 0
+    (tmp_path / "m" / "2").mkdir()  # a stale version that --force must not leave behind
+    assert main([*argv, "--max-batch-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kiln triton-repo: error: {tmp_path / 'm'} already exists; pass --force to replace it\n"
+    assert read_config(tmp_path / "m").max_batch_size == 16
+    assert main([*argv, "--max-batch-size", "2", "--force"]) == 0
+    assert read_config(tmp_path / "m").max_batch_size == 2 and not (tmp_path / "m" / "2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging directory left behind
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert main([*argv[:-1], "other", "--force"]) == 2
+    assert "is not a Triton model (it has no config.pbtxt)" in capsys.readouterr().err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+# ---- model.py ----------------------------------------------------------------------------------
+
+def test_streaming_and_whole_requests_run_together_and_a_new_one_joins(model, references):
+    streaming = make_request(PROMPTS[0], stream=True)
+    whole = make_request(PROMPTS[1])
+    execute(model, streaming, whole)
+    wait_for(lambda: streaming.sender.sends)
+    joining = make_request(PROMPTS[2], stream=True, return_log_probs=True, outputs=[])
+    execute(model, joining)
+    for request in (streaming, whole, joining):
+        assert request.sender.wait_final(60)
+
+    # Streamed pieces never repeat the prompt and add up to the greedy completion; the last send is final.
+    assert streamed(streaming) == references[PROMPTS[0]].text
+    assert [flags for _, _, flags in streaming.sender.sends] == [0] * (len(streaming.sender.sends) - 1) + [FINAL]
+    assert len(streaming.sender.sends) > 2
+    # Not streamed: one final response with prompt + completion.
+    [(_, response, flags)] = whole.sender.sends
+    assert flags == FINAL and texts(response) == [PROMPTS[1] + references[PROMPTS[1]].text]
+    assert set(outputs_of(response)) == {"text_output"}  # no log probs unless asked
+    # The request that came later joined the running batch: its first piece came before the first one ended.
+    assert joining.sender.sends[0][0] < streaming.sender.sends[-1][0]
+    assert streamed(joining) == references[PROMPTS[2]].text
+    logprobs = np.concatenate([outputs_of(r)["output_log_probs"][0] for r in joining.sender.responses])
+    np.testing.assert_allclose(logprobs, references[PROMPTS[2]].logprobs, atol=1e-4)
+    cum = outputs_of(joining.sender.responses[-1])["cum_log_probs"]
+    assert cum.shape == (1, 1) and cum.dtype == np.float32
+    np.testing.assert_allclose(cum[0, 0], sum(references[PROMPTS[2]].logprobs), atol=1e-3)
+
+
+def test_a_request_of_several_rows_gets_one_response_with_a_row_each(model, references):
+    request = make_request([PROMPTS[3], PROMPTS[0]], exclude_input_in_output=True, return_log_probs=True)
+    execute(model, request)
+    assert request.sender.wait_final(60)
+    [(_, response, flags)] = request.sender.sends
+    out = outputs_of(response)
+    assert flags == FINAL and texts(response) == [references[PROMPTS[3]].text, references[PROMPTS[0]].text]
+    for row, prompt in enumerate((PROMPTS[3], PROMPTS[0])):
+        expected = references[prompt].logprobs
+        np.testing.assert_allclose(out["output_log_probs"][row, :len(expected)], expected, atol=1e-4)
+        np.testing.assert_allclose(out["cum_log_probs"][row, 0], sum(expected), atol=1e-3)
+
+
+def test_invalid_requests_get_an_error_with_the_final_flag_and_others_complete(model, references):
+    good = make_request(PROMPTS[3])
+    no_max_tokens = make_request(PROMPTS[3], max_tokens=None)
+    bad_top_p = make_request(PROMPTS[3], top_p=2.0)
+    too_long = make_request(PROMPTS[3], max_tokens=5000)  # found on the engine thread: > max_seq_len
+    streamed_rows = make_request([PROMPTS[3], PROMPTS[0]], stream=True)
+    log_probs_not_asked = make_request(PROMPTS[3], outputs=["text_output", "cum_log_probs"])
+    execute(model, no_max_tokens, good, bad_top_p, too_long, streamed_rows, log_probs_not_asked)
+
+    assert error_of(no_max_tokens) == "missing required input 'max_tokens'"
+    assert "top_p" in error_of(bad_top_p)
+    assert "exceeds max_seq_len 1024" in error_of(too_long)
+    assert "stream=true takes one prompt per request" in error_of(streamed_rows)
+    assert "needs the input return_log_probs=true" in error_of(log_probs_not_asked)
+    assert good.sender.wait_final(60)
+    assert texts(good.sender.responses[0]) == [PROMPTS[3] + references[PROMPTS[3]].text]
+
+
+def test_a_cancelled_request_is_aborted_and_its_kv_blocks_freed(model):
+    request = make_request(PROMPTS[0], max_tokens=500, stream=True)
+    execute(model, request)
+    wait_for(lambda: len(request.sender.sends) >= 2)
+    request.sender.cancel()
+    assert request.sender.wait_final(30)
+    assert request.sender.sends[-1][1:] == (None, FINAL)  # the final flag alone
+    assert len(request.sender.sends) < 100
+    stats = model.loop.engine.kv_cache_stats()
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_finalize_ends_running_requests_and_stops_the_engine_thread(repo, tiny_code_engine):
+    model = load_model(repo / tiny_code_engine.name)
+    request = make_request(PROMPTS[0], max_tokens=500, stream=True)
+    execute(model, request)
+    wait_for(lambda: request.sender.sends)
+    model.finalize()
+    assert not model.loop.is_running
+    assert request.sender.finished and request.sender.sends[-1][1].error().message() == "the model is being unloaded"
+    late = make_request(PROMPTS[0])
+    execute(model, late)
+    assert error_of(late) == "the kiln engine has stopped"
+
+
+def test_a_model_that_is_not_decoupled_fails_to_load(repo, tiny_code_engine):
+    def coupled(model_dir):
+        config = read_config(model_dir)
+        config.model_transaction_policy.decoupled = False
+        return config
+
+    with pytest.raises(pb.TritonModelException, match="decoupled: true"):
+        load_model(repo / tiny_code_engine.name, coupled)
+
+
+# ---- batch scheduler policies (the engine thread alone, with a KV cache too small for two requests) ----
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.updates = []  # (time.monotonic(), RequestOutput)
+        self.done = threading.Event()
+
+    def cancelled(self) -> bool:
+        return False
+
+    def update(self, row, output) -> None:
+        self.updates.append((time.monotonic(), output))
+        if output.finished:
+            self.done.set()
+
+    def reject(self, message) -> None:
+        raise AssertionError(message)
+
+    def abort(self, message) -> None:
+        raise AssertionError(message)
+
+
+@pytest.fixture(scope="module")
+def three_block_engine(tiny_code_engine):
+    return load_engine(tiny_code_engine, num_kv_blocks=3)  # 48 token slots (blocks of 16)
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_batch_scheduler_policy(three_block_engine, references, policy):
+    engine = LLMEngine(*three_block_engine)  # the loaded weights, a KV cache of its own
+    loop = EngineLoop(engine, policy)
+    params = SamplingParams(max_tokens=16, temperature=0)  # 10 prompt tokens + 16: 2 blocks each, 4 for both
+    first, second = RecordingSink(), RecordingSink()
+    loop.submit([PROMPTS[0]], [params], first)
+    loop.submit([PROMPTS[0]], [params], second)
+    try:
+        assert first.done.wait(60) and second.done.wait(60)
+    finally:
+        loop.stop()
+    assert not loop.is_running
+    for sink in (first, second):
+        assert sink.updates[-1][1].token_ids[:MAX_TOKENS] == references[PROMPTS[0]].token_ids
+    first_finished = first.updates[-1][0]
+    if policy == "guaranteed_no_evict":  # the second waits until the first's blocks are free: nobody is evicted
+        assert engine.num_preemptions == 0 and second.updates[0][0] > first_finished
+    else:  # both start at once; when the blocks run out, the newer one is preempted and recomputed
+        assert engine.num_preemptions > 0 and second.updates[0][0] < first_finished

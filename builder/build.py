@@ -8,6 +8,7 @@ something that looks like an engine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,6 +30,7 @@ from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
 from .engine_format import ENGINE_JSON, FileEntry, file_entry, rank_file_name, write_engine_json
 from .safetensors_writer import TensorSpec, write_safetensors_streaming
+from .staging import staged_directory
 
 logger = logging.getLogger("kiln.builder")
 
@@ -147,16 +149,11 @@ def copy_tokenizer(checkpoint: Path, engine: Path) -> dict[str, FileEntry]:
     return files
 
 
-def _prepare_output(output: Path) -> Path:
+def _check_output(output: Path) -> None:
     if output.exists() and not output.is_dir():
         raise BuildError(f"output {output} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not (output / ENGINE_JSON).exists():
         raise BuildError(f"output {output} is a non-empty directory that is not an engine; choose another")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.building"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    return staging
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: BuildConfig | None = None,
@@ -179,9 +176,11 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     target = target_of(config.device)
     specs = param_specs(model_def, model_config, ENGINE_DTYPES[dtype_name])
 
-    staging = _prepare_output(output)
+    _check_output(output)
     reader: CheckpointReader | None = None
-    try:
+    with contextlib.ExitStack() as stack:
+        staging = stack.enter_context(staged_directory(output))
+        stack.callback(lambda: reader is not None and reader.close())
         if config.dummy_weights:
             produce = lambda spec: dummy_tensor(spec, config.seed)  # noqa: E731
         else:
@@ -206,15 +205,6 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
         write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),
                           build_config=build, mapping={"tp_size": 1, "num_ranks": 1}, target=target, files=files,
                           kiln_version=kiln.__version__)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        if reader is not None:
-            reader.close()
     logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,
                 time.perf_counter() - start)
     return output

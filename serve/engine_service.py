@@ -121,11 +121,18 @@ class EngineService:
             raise
         finally:
             metrics.requests.labels(outcome).inc()
-            if outcome in ("abort", "error"):
+            # Shielded: a second cancellation of the consumer must not cut the cleanup short.
+            await asyncio.shield(asyncio.ensure_future(self._release(request_id, stream,
+                                                                     abort=outcome in ("abort", "error"))))
+
+    async def _release(self, request_id: str, stream: AsyncIterator, abort: bool) -> None:
+        try:
+            if abort:
                 # Wait for the engine to drop it, so its KV blocks are free once the consumer moves on.
                 with contextlib.suppress(RuntimeError):  # the engine has stopped: nothing left to free
                     await self.llm.abort(request_id)
             await stream.aclose()
+        finally:
             self._inflight.discard(request_id)
             if not self._inflight:
                 self._idle.set()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.builder.engine_format import load_engine_spec
+from kiln.builder.staging import staged_directory
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
 MODEL_SOURCE = Path(__file__).with_name("triton_python_model.py")
@@ -131,20 +131,11 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                 raise ValueError(f"{target} is not a Triton model (it has no config.pbtxt); not replacing it "
                                  f"even with --force: remove it or pick another --model-name")
 
-    repo.mkdir(parents=True, exist_ok=True)
     # Written beside the target and moved into place, so a failure leaves no half-written model behind.
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=repo))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it private; Triton may run as another user
+    with staged_directory(target) as staging:
         (staging / "config.pbtxt").write_text(_config_text(name, max_batch_size, kind, params, engine_dir))
         (staging / "1").mkdir()
         shutil.copyfile(MODEL_SOURCE, staging / "1" / "model.py")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind)
 
 

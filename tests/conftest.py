@@ -13,3 +13,13 @@ def tiny_code_engine(tmp_path_factory):
     from serve_util import build_tiny_code_engine
 
     return build_tiny_code_engine(tmp_path_factory.mktemp("tiny-code") / "engine")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_code_engine):
+    """A `kiln serve` server over tiny_code_engine on free ports, one per test module (tests/serve_util.py)."""
+    from serve_util import start_server
+
+    srv = start_server(tiny_code_engine)
+    yield srv
+    srv.stop()

@@ -6,17 +6,9 @@ import json
 import math
 
 import pytest
-from serve_util import start_server
 
 from kiln.cli import main
 from kiln.serve.bench_serve import BenchConfig, make_prompts
-
-
-@pytest.fixture(scope="module")
-def server(tiny_code_engine):
-    s = start_server(tiny_code_engine)
-    yield s
-    s.stop()
 
 
 @pytest.mark.parametrize("endpoint, rate", [("completions", "inf"), ("chat", "50")])

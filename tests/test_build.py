@@ -155,7 +155,7 @@ def test_manifest_lists_every_file_with_its_size_and_sha256(engine):
 def test_tokenizer_folder_is_a_copy_of_the_checkpoints(base, engine):
     for name in TOKENIZER_FILES:
         assert (engine / "tokenizer" / name).read_bytes() == (base.checkpoint / name).read_bytes(), name
-    assert not any(engine.glob("*.partial")) and not any(engine.parent.glob(".*.building"))
+    assert not any(engine.glob("*.partial")) and not any(engine.parent.glob(".*.partial"))
 
 
 # -- fusion ---------------------------------------------------------------------------------------

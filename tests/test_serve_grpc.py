@@ -26,13 +26,6 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(tiny_code_engine):
-    srv = start_server(tiny_code_engine)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     c = triton.InferenceServerClient(server.grpc_url)
     yield c

@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from serve_util import MODEL_NAME, start_server
+from serve_util import MODEL_NAME
 from tritonclient.utils import InferenceServerException
 
 import kiln
@@ -23,13 +23,6 @@ from kiln.runtime import LLM, SamplingParams
 PROMPT = "def add(a, b):"
 PROMPT2 = "class Stack:"
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def server(tiny_code_engine):
-    s = start_server(tiny_code_engine)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

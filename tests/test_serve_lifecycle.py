@@ -53,13 +53,6 @@ def test_ports_must_differ():
         ServeConfig(engine_dir="e", http_port=9000, grpc_port=9000)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_code_engine):
-    s = start_server(tiny_code_engine)
-    yield s
-    s.stop()
-
-
 def test_deltas_add_up_and_metrics_count_them(server):
     service = server.service
     before = scrape(server.metrics_url)

@@ -10,7 +10,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from serve_util import MODEL_NAME, start_server
+from serve_util import MODEL_NAME
 
 from kiln.runtime import LLM, SamplingParams
 
@@ -24,13 +24,6 @@ def scrape(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_code_engine):
-    s = start_server(tiny_code_engine)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

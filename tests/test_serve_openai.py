@@ -20,13 +20,6 @@ MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user",
 
 
 @pytest.fixture(scope="module")
-def server(tiny_code_engine):
-    s = start_server(tiny_code_engine)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.http_base + "/v1", api_key="none", max_retries=0)
 

@@ -61,6 +61,10 @@ class EngineService:
         return self.llm.engine.runtime.max_seq_len
 
     @property
+    def max_batch_size(self) -> int:
+        return self.llm.engine.runtime.max_batch_size
+
+    @property
     def ready(self) -> bool:
         return self.accepting and self.llm.is_running
 

@@ -14,8 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import struct
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -28,6 +27,7 @@ from .config import ServeConfig
 from .engine_service import EngineService
 from .errors import InvalidRequest, NotFound, RequestError
 from .http_app import check_api_key
+from .triton_batch import cancel_and_wait, complete_all
 from .triton_request import (
     TritonRequest,
     check_datatype,
@@ -37,6 +37,7 @@ from .triton_request import (
     parse_request,
 )
 from .triton_schema import MODEL_VERSION, OUTPUT_SPECS, model_config, model_metadata
+from .triton_wire import decode_raw, encode_raw, reshape
 
 logger = logging.getLogger("kiln.serve")
 
@@ -68,44 +69,17 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
         shape = tuple(tensor.shape)
         if any(d < 0 for d in shape):
             raise InvalidRequest(f"input '{name}' has shape {list(shape)}; dimensions must be >= 0", name)
-        values = _from_raw(name, tensor.datatype, raw[i]) if raw else _from_contents(tensor)
-        count = int(np.prod(shape))
-        if values.size != count:
-            where = "raw_input_contents" if raw else f"contents.{_CONTENTS[tensor.datatype]}"
-            raise InvalidRequest(f"input '{name}' has {values.size} elements in {where} but its shape "
-                                 f"{list(shape)} needs {count}", name)
-        arrays[name] = values.reshape(shape)
+        if raw:
+            arrays[name] = decode_raw(name, tensor.datatype, raw[i], shape, where="raw_input_contents")
+        else:
+            arrays[name] = _from_contents(tensor, shape)
     return arrays
 
 
-def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor) -> np.ndarray:
-    values = list(getattr(tensor.contents, _CONTENTS[tensor.datatype]))
-    return np.array(values, dtype=numpy_dtype(tensor.datatype)).reshape(len(values))
-
-
-def _from_raw(name: str, datatype: str, buffer: bytes) -> np.ndarray:
-    """Triton's raw layout: little-endian elements; BYTES elements are a 4-byte little-endian length, then
-    the bytes."""
-    if datatype != "BYTES":
-        dtype = np.dtype(numpy_dtype(datatype)).newbyteorder("<")
-        if len(buffer) % dtype.itemsize:
-            raise InvalidRequest(f"input '{name}': {len(buffer)} raw bytes are not a whole number of {datatype} "
-                                 "elements", name)
-        return np.frombuffer(buffer, dtype=dtype)
-    items, offset = [], 0
-    while offset < len(buffer):
-        if offset + 4 > len(buffer):
-            raise InvalidRequest(f"input '{name}': raw BYTES contents end inside an element's length", name)
-        (length,) = struct.unpack_from("<I", buffer, offset)
-        offset += 4
-        if offset + length > len(buffer):
-            raise InvalidRequest(f"input '{name}': a raw BYTES element says {length} bytes but fewer are left "
-                                 "(each element is a 4-byte little-endian length, then the bytes)", name)
-        items.append(buffer[offset:offset + length])
-        offset += length
-    array = np.empty(len(items), dtype=np.object_)
-    array[:] = items
-    return array
+def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, shape: tuple[int, ...]) -> np.ndarray:
+    field = _CONTENTS[tensor.datatype]
+    values = np.array(list(getattr(tensor.contents, field)), dtype=numpy_dtype(tensor.datatype))
+    return reshape(tensor.name, values, shape, f"contents.{field}")
 
 
 def encode_outputs(outputs: Mapping[str, np.ndarray], response: pb.ModelInferResponse) -> None:
@@ -113,11 +87,7 @@ def encode_outputs(outputs: Mapping[str, np.ndarray], response: pb.ModelInferRes
     for name, array in outputs.items():
         datatype = OUTPUT_SPECS[name].datatype
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        if datatype == "BYTES":
-            raw = b"".join(struct.pack("<I", len(item)) + item for item in array.flat)
-        else:
-            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-        response.raw_output_contents.append(raw)
+        response.raw_output_contents.append(encode_raw(datatype, array))
 
 
 # ---- the service --------------------------------------------------------------------------------------
@@ -138,28 +108,6 @@ def _rpc(method):
     return checked
 
 
-async def _cancel_and_wait(tasks: Collection[asyncio.Task]) -> None:
-    """Cancels each task once and waits for it to end. Not with gather: a second cancellation of the caller
-    would reach the tasks again and cut short their cleanup (aborting their engine requests)."""
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks)
-
-
-async def _all_or_none(coroutines: Sequence[Coroutine]) -> list:
-    """Runs the coroutines concurrently; the first failure cancels the others (aborting their requests)."""
-    tasks = [asyncio.ensure_future(c) for c in coroutines]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        await _cancel_and_wait(tasks)
-    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
-    if errors:
-        raise errors[0]
-    return [task.result() for task in tasks]
-
-
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """One model (`service.model_name`, version 1); the RPCs of Triton's gRPC protocol that apply to it."""
 
@@ -172,10 +120,6 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise NotFound(f"unknown model '{name}'; this server serves '{self.service.model_name}'")
         if version not in ("", MODEL_VERSION):
             raise NotFound(f"model '{name}' has no version '{version}'; its only version is {MODEL_VERSION}")
-
-    @property
-    def _max_batch_size(self) -> int:
-        return self.service.llm.engine.runtime.max_batch_size
 
     # Probes (load balancers, Kubernetes) cannot send a key; these say nothing about the model.
     async def ServerLive(self, request, context):
@@ -205,7 +149,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelConfig(self, request, context):
         self._check_model(request.name, request.version)
-        return pb.ModelConfigResponse(config=model_config(self.service.model_name, self._max_batch_size))
+        return pb.ModelConfigResponse(config=model_config(self.service.model_name, self.service.max_batch_size))
 
     @_rpc
     async def ModelInfer(self, request, context):
@@ -226,15 +170,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield response
             await reader  # raises what ended the stream, if anything did
         finally:  # the client went away (or the server stops): abort what still runs
-            await _cancel_and_wait([reader])
+            await cancel_and_wait([reader])
 
     # ---- inference --------------------------------------------------------------------------------
     def _parse(self, request: pb.ModelInferRequest) -> tuple[list[TritonRequest], list[str]]:
         self._check_model(request.model_name, request.model_version)
         rows = parse_request(decode_inputs(request))
-        if len(rows) > self._max_batch_size:
+        if len(rows) > self.service.max_batch_size:
             raise InvalidRequest(f"batch size {len(rows)} is more than the model's max_batch_size "
-                                 f"{self._max_batch_size}", "text_input")
+                                 f"{self.service.max_batch_size}", "text_input")
         return rows, check_requested_outputs([o.name for o in request.outputs], rows)
 
     def _response(self, request: pb.ModelInferRequest, outputs: Mapping[str, np.ndarray],
@@ -246,16 +190,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             response.parameters[FINAL].bool_param = final
         return response
 
-    async def _infer(self, rows: Sequence[TritonRequest], names: Sequence[str]) -> dict[str, np.ndarray]:
+    async def _infer(self, rows: list[TritonRequest], names: Sequence[str]) -> dict[str, np.ndarray]:
         """Every row to completion, concurrently: text_output is the prompt and the generated text."""
-        results = await _all_or_none([self._complete(row) for row in rows])
+        results = await complete_all(self.service, rows)
         return make_outputs(names, [text for text, _ in results], [logprobs for _, logprobs in results])
-
-    async def _complete(self, row: TritonRequest) -> tuple[str, list[float]]:
-        async with contextlib.aclosing(self.service.generate(row.prompt, row.params)) as stream:
-            async for delta in stream:
-                out = delta.output
-        return (out.text if row.exclude_input else row.prompt + out.text), list(out.logprobs or [])
 
     async def _serve_stream(self, request_iterator, emit: Callable[[pb.ModelStreamInferResponse | None], None]):
         """Runs each incoming request in a task of its own; after the client's last request and their
@@ -269,7 +207,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if tasks:
                 await asyncio.wait(tasks)
         finally:
-            await _cancel_and_wait(list(tasks))
+            await cancel_and_wait(list(tasks))
             emit(None)
 
     async def _stream_request(self, request: pb.ModelInferRequest,

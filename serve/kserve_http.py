@@ -9,12 +9,10 @@ bytes). Every row of an `infer` batch is its own engine request; all rows run at
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import math
-import struct
 
 import numpy as np
 from aiohttp import web
@@ -23,6 +21,7 @@ import kiln
 
 from .errors import InvalidRequest, NotFound, RequestError
 from .http_app import SERVICE, read_json
+from .triton_batch import complete, complete_all
 from .triton_request import (
     TritonRequest,
     check_datatype,
@@ -39,6 +38,7 @@ from .triton_schema import (
     model_config_json,
     model_metadata,
 )
+from .triton_wire import decode_raw, encode_raw, object_array
 
 logger = logging.getLogger("kiln.serve")
 
@@ -95,41 +95,8 @@ async def _model_ready(request: web.Request) -> web.Response:
 
 
 async def _model_config(request: web.Request) -> web.Response:
-    config = model_config(_model_name(request), _max_batch_size(request))
+    config = model_config(_model_name(request), request.app[SERVICE].max_batch_size)
     return web.json_response(model_config_json(config))
-
-
-def _max_batch_size(request: web.Request) -> int:
-    return request.app[SERVICE].llm.engine.runtime.max_batch_size
-
-
-# ---- running requests ------------------------------------------------------------------------------
-async def _complete(service, request: TritonRequest) -> tuple[str, list[float]]:
-    """Runs one request to the end -> (text_output, per-token logprobs)."""
-    async with contextlib.aclosing(service.generate(request.prompt, request.params)) as stream:
-        async for delta in stream:
-            output = delta.output
-    text = output.text if request.exclude_input else request.prompt + output.text
-    return text, list(output.logprobs or [])
-
-
-async def _complete_all(service, requests: list[TritonRequest]) -> list[tuple[str, list[float]]]:
-    """Runs all rows at once; the first failure (or the handler's cancellation) aborts the others."""
-    async def row(i: int, request: TritonRequest):
-        try:
-            return await _complete(service, request)
-        except RequestError as e:
-            if len(requests) > 1:
-                e.message = f"batch row {i}: {e.message}"
-            raise
-
-    tasks = [asyncio.ensure_future(row(i, r)) for i, r in enumerate(requests)]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---- infer -----------------------------------------------------------------------------------------
@@ -140,13 +107,14 @@ async def _infer(request: web.Request) -> web.Response:
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidRequest(f"'id' must be a string, got {json.dumps(request_id)}", "id")
     parameters = _object(header.get("parameters"), "parameters")
+    service = request.app[SERVICE]
     requests = parse_request(_input_arrays(header.get("inputs"), binary))
-    if len(requests) > _max_batch_size(request):
+    if len(requests) > service.max_batch_size:
         raise InvalidRequest(f"batch size {len(requests)} is larger than the model's max_batch_size "
-                             f"{_max_batch_size(request)}", "text_input")
+                             f"{service.max_batch_size}", "text_input")
     names, binary_names = _requested_outputs(header.get("outputs"), _flag(parameters, "binary_data_output"))
     names = check_requested_outputs(names, requests)
-    results = await _complete_all(request.app[SERVICE], requests)
+    results = await complete_all(service, requests)
     outputs = make_outputs(names, [text for text, _ in results], [lp for _, lp in results])
     response = _infer_response(request_id, name, outputs, binary_names)
     response.enable_compression()  # only when the client's Accept-Encoding asks for it
@@ -163,7 +131,7 @@ def _infer_response(request_id: str | None, model: str, outputs: dict[str, np.nd
         datatype = OUTPUT_SPECS[name].datatype
         tensor = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary_names is None or name in binary_names:
-            raw = _encode_binary(datatype, array)
+            raw = encode_raw(datatype, array)
             tensor["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
@@ -221,22 +189,27 @@ def _input_arrays(inputs, binary: bytes) -> dict[str, np.ndarray]:
             if not _is_int(size) or not 0 <= size <= len(binary) - offset:
                 raise InvalidRequest(f"input '{name}': binary_data_size {size} does not fit the "
                                      f"{len(binary) - offset} bytes of binary data left", name)
-            values = _decode_binary(name, datatype, binary[offset:offset + size])
+            arrays[name] = decode_raw(name, datatype, binary[offset:offset + size], shape, where="binary data")
             offset += size
-        elif "data" in tensor:
-            if not isinstance(tensor["data"], list):
-                raise InvalidRequest(f"input '{name}': 'data' must be a list", name)
-            values = _from_json(name, datatype, _flatten(tensor["data"]))
         else:
-            raise InvalidRequest(f"input '{name}' has no 'data' (and no binary_data_size)", name)
-        if values.size != math.prod(shape):
-            raise InvalidRequest(f"input '{name}' has shape {shape} ({math.prod(shape)} elements) but "
-                                 f"{values.size} values", name)
-        arrays[name] = values.reshape(shape)
+            arrays[name] = _json_tensor(name, datatype, tensor, shape)
     if offset != len(binary):
         raise InvalidRequest(f"{len(binary) - offset} bytes of binary data after the inference header belong "
                              f"to no input (check binary_data_size)")
     return arrays
+
+
+def _json_tensor(name: str, datatype: str, tensor: dict, shape: list[int]) -> np.ndarray:
+    """An input's JSON `data` -> an array of its shape."""
+    if "data" not in tensor:
+        raise InvalidRequest(f"input '{name}' has no 'data' (and no binary_data_size)", name)
+    if not isinstance(tensor["data"], list):
+        raise InvalidRequest(f"input '{name}': 'data' must be a list", name)
+    values = _from_json(name, datatype, _flatten(tensor["data"]))
+    if values.size != math.prod(shape):
+        raise InvalidRequest(f"input '{name}' has shape {shape} ({math.prod(shape)} elements) but "
+                             f"{values.size} values", name)
+    return values.reshape(shape)
 
 
 def _requested_outputs(outputs, binary_default: bool) -> tuple[list[str], set[str] | None]:
@@ -261,36 +234,6 @@ def _requested_outputs(outputs, binary_default: bool) -> tuple[list[str], set[st
 
 
 # ---- tensor data -----------------------------------------------------------------------------------
-def _wire_dtype(datatype: str) -> np.dtype:
-    return np.dtype(DATATYPES[datatype][1]).newbyteorder("<")
-
-
-def _decode_binary(name: str, datatype: str, raw: bytes) -> np.ndarray:
-    """Raw tensor bytes -> a flat array (BYTES: 4-byte little-endian length + bytes per element)."""
-    if datatype != "BYTES":
-        dtype = _wire_dtype(datatype)
-        if len(raw) % dtype.itemsize:
-            raise InvalidRequest(f"input '{name}': {len(raw)} bytes of binary data is not a whole number of "
-                                 f"{datatype} values", name)
-        return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
-    items, offset = [], 0
-    while offset < len(raw):
-        length = struct.unpack_from("<I", raw, offset)[0] if offset + 4 <= len(raw) else len(raw)
-        offset += 4
-        if offset + length > len(raw):
-            raise InvalidRequest(f"input '{name}': malformed BYTES data (an element runs past its "
-                                 f"binary_data_size)", name)
-        items.append(raw[offset:offset + length])
-        offset += length
-    return _object_array(items)
-
-
-def _encode_binary(datatype: str, array: np.ndarray) -> bytes:
-    if datatype == "BYTES":
-        return b"".join(struct.pack("<I", len(v)) + v for v in array.flat)
-    return np.ascontiguousarray(array, dtype=_wire_dtype(datatype)).tobytes()
-
-
 def _from_json(name: str, datatype: str, values: list) -> np.ndarray:
     """JSON values -> a flat array, each value checked against the datatype."""
     for value in values:
@@ -307,7 +250,7 @@ def _from_json(name: str, datatype: str, values: list) -> np.ndarray:
             raise InvalidRequest(f"input '{name}' is {datatype}; {json.dumps(value)[:80]} is not a {datatype} value",
                                  name)
     if datatype == "BYTES":
-        return _object_array([v.encode("utf-8") for v in values])
+        return object_array([v.encode("utf-8") for v in values])
     return np.array(values, dtype=DATATYPES[datatype][1])
 
 
@@ -324,12 +267,6 @@ def _flatten(data: list) -> list:
         else:
             stack.pop()
     return flat
-
-
-def _object_array(items: list) -> np.ndarray:
-    array = np.empty(len(items), dtype=np.object_)
-    array[:] = items
-    return array
 
 
 def _is_int(value) -> bool:
@@ -382,7 +319,7 @@ def _generate_body(model: str, request: TritonRequest, text: str, logprobs: list
 async def _generate(request: web.Request) -> web.Response:
     name = _model_name(request)
     generate_request = _generate_request(await read_json(request))
-    text, logprobs = await _complete(request.app[SERVICE], generate_request)
+    text, logprobs = await complete(request.app[SERVICE], generate_request)
     return web.json_response(_generate_body(name, generate_request, text, logprobs, sum(logprobs)))
 
 

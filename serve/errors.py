@@ -32,6 +32,11 @@ class NotFound(RequestError):
     openai_type = "not_found_error"
 
 
+class MethodNotAllowed(RequestError):
+    status = 405
+    grpc_code = "UNIMPLEMENTED"
+
+
 class PayloadTooLarge(RequestError):
     status = 413
     grpc_code = "RESOURCE_EXHAUSTED"

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from .config import ServeConfig
 from .engine_service import EngineService
-from .errors import NotFound, PayloadTooLarge, RequestError, Unauthorized
+from .errors import InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge, RequestError, Unauthorized
 
 SERVICE = web.AppKey("service", EngineService)
 CONFIG = web.AppKey("config", ServeConfig)
@@ -52,15 +52,12 @@ async def _protocol_middleware(request: web.Request, handler):
     except web.HTTPNotFound:
         return error_response(request.path, NotFound(f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed as e:
-        error = RequestError(f"{request.method} is not allowed on {request.path}; use {', '.join(e.allowed_methods)}")
-        error.status = 405
-        return error_response(request.path, error)
+        return error_response(request.path, MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path}; use {', '.join(e.allowed_methods)}"))
 
 
 async def read_json(request: web.Request) -> dict:
     """The request body as a JSON object, or InvalidRequest saying what is wrong with it."""
-    from .errors import InvalidRequest
-
     raw = await request.read()
     try:
         body = json.loads(raw)

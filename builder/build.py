@@ -182,7 +182,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
         staging = stack.enter_context(staged_directory(output))
         stack.callback(lambda: reader is not None and reader.close())
         if config.dummy_weights:
-            produce = lambda spec: dummy_tensor(spec, config.seed)  # noqa: E731
+            produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
         else:
             try:
                 reader = CheckpointReader(checkpoint)

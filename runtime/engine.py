@@ -6,6 +6,7 @@ thread. Invalid input is rejected in `add_request` before the scheduler sees it,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,12 +16,12 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .engine_loader import LoadedEngine, RuntimeConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, RunnerLimits
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
-from .sampler import Sampler, SamplingRow
+from .sampler import DeviceSample, Sampler, SamplingRow
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerLimits
+from .scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 
 Prompt = str | Sequence[int]
 
@@ -38,19 +39,27 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, loaded: LoadedEngine, runtime: RuntimeConfig) -> None:
         self.loaded = loaded
-        self.runtime = runtime
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
+        limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
+                              max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
+                              num_kv_blocks=runtime.num_kv_blocks,
+                              kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
+                              cuda_graphs=runtime.cuda_graphs)
+        self.runner = ModelRunner(loaded.model, loaded.model_config, device=runtime.device, dtype=runtime.dtype,
+                                  limits=limits)
+        self.runtime = runtime = dataclasses.replace(runtime, num_kv_blocks=self.runner.num_kv_blocks)
         self.block_manager = BlockManager(runtime.num_kv_blocks, runtime.block_size, runtime.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens),
                                    self.block_manager)
-        self.runner = ModelRunner(loaded.model, loaded.model_config, device=runtime.device, dtype=runtime.dtype,
-                                  num_kv_blocks=runtime.num_kv_blocks, block_size=runtime.block_size,
-                                  max_seq_len=runtime.max_seq_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(loaded.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        # The launched step whose tokens are not read back yet: (schedule, sampled request ids, tokens on device).
+        self._inflight: tuple[SchedulerOutput, tuple[str, ...], DeviceSample | None] | None = None
+        # Tokens read back but not yet turned into text: (request, token, whether the token adds text).
+        self._pending: list[tuple[_Tracked, int, bool]] = []
         self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -119,64 +128,90 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
+        for item in [item for item in self._pending if item[0] is tracked]:  # its last token's text
+            self._pending.remove(item)
+            if item[2]:
+                tracked.detokenizer.add_token(item[1])
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self._output(tracked)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether step() has more to do: requests to run, a step in flight, or outputs not yet handed out."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._pending)
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one batched forward pass; returns an update for every request that produced a token."""
+        """One engine iteration, pipelined one step deep: wait for the step in flight and advance its
+        requests; schedule and launch the next step; then, while the GPU runs it, turn the finished step's
+        tokens into text and outputs. Returns an update for every request that produced a token.
+
+        A stop string is therefore seen one step late: the request has already been scheduled once more,
+        and that extra token is dropped. EOS, stop token ids and max_tokens end a request before the next
+        step is scheduled.
+        """
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._complete(*inflight)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_ids)
-        if scheduled.is_empty:
-            return []
+        if not scheduled.is_empty:
+            self._inflight = self._launch(scheduled)
+        pending, self._pending = self._pending, []
+        return [self._emit(*item) for item in pending]
+
+    def _launch(self, scheduled: SchedulerOutput) -> tuple[SchedulerOutput, tuple[str, ...], DeviceSample | None]:
         prompts = {r.request_id: self._tracked[r.request_id].request.prompt_token_ids
                    for r in scheduled.requests if self._tracked[r.request_id].prompt_logprobs is not None}
         result = self.runner.execute(scheduled, prompts)
         for request_id, (first, values) in result.prompt_logprobs.items():
             self._tracked[request_id].prompt_logprobs[first + 1:first + 1 + len(values)] = values
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, float] = {}
-        top: dict[str, list[tuple[int, float]]] = {}
+        sample = None
         if result.sample_ids:
             rows = [self._sampling_row(self._tracked[rid]) for rid in result.sample_ids]
-            out = self.sampler(result.logits, rows)
-            sampled = dict(zip(result.sample_ids, out.token_ids))
-            if out.logprobs is not None:
-                logprobs = dict(zip(result.sample_ids, out.logprobs))
-            if out.top_logprobs is not None:
-                top = dict(zip(result.sample_ids, out.top_logprobs))
+            sample = self.sampler.sample(result.logits, rows)
+        return scheduled, result.sample_ids, sample
+
+    def _complete(self, scheduled: SchedulerOutput, sample_ids: tuple[str, ...], sample: DeviceSample | None) -> None:
+        """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
+        token id or their length; their text is left for _emit."""
+        out = sample.to_host() if sample is not None else None
+        sampled = dict(zip(sample_ids, out.token_ids)) if out is not None else {}
         self.scheduler.update_after_step(scheduled, sampled)
-        outputs = []
-        for request_id, token in sampled.items():
-            tracked = self._tracked[request_id]
+        for i, (request_id, token) in enumerate(sampled.items()):
+            tracked = self._tracked.get(request_id)
+            if tracked is None:  # ended while the step ran (aborted, or a stop string found by _emit)
+                continue
             if tracked.logprobs is not None:
-                tracked.logprobs.append(logprobs[request_id])
+                tracked.logprobs.append(out.logprobs[i])
             if tracked.top_logprobs is not None:
-                tracked.top_logprobs.append(dict(top[request_id]))
-            status = self._check_finished(tracked, token)
+                tracked.top_logprobs.append(dict(out.top_logprobs[i]))
+            request, params = tracked.request, tracked.request.sampling_params
+            status = None
+            # EOS and stop token ids end the request without adding their text.
+            ends_without_text = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+            if ends_without_text:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.runtime.max_seq_len:
+                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.scheduler.finish_request(request_id, status)
                 del self._tracked[request_id]
-            outputs.append(self._output(tracked))
-        return outputs
+            self._pending.append((tracked, token, not ends_without_text))
+
+    def _emit(self, tracked: _Tracked, token: int, add_text: bool) -> RequestOutput:
+        """Adds a token's text (ending the request if it completes a stop string) and builds the update."""
+        if add_text and tracked.detokenizer.add_token(token) is not None:
+            request = tracked.request
+            if request.status.finished:  # ended by its length with this very token: the stop string wins
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                del self._tracked[request.request_id]
+        return self._output(tracked)
 
     def _sampling_row(self, tracked: _Tracked) -> SamplingRow:
         r = tracked.request
         return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, tracked.generator)
-
-    def _check_finished(self, tracked: _Tracked, token: int) -> RequestStatus | None:
-        request, params = tracked.request, tracked.request.sampling_params
-        # EOS and stop token ids end the request without adding their text.
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if tracked.detokenizer.add_token(token) is not None:
-            return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.runtime.max_seq_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         r = tracked.request

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,13 +16,9 @@ from kiln.builder.build_config import ENGINE_DTYPES
 from kiln.builder.engine_format import EngineError, EngineSpec, load_engine_spec
 from kiln.model_defs import ModelConfig, ModelConfigError, get_model_def
 
-from .model_runner import ModelRunner
+from .memory import check_fraction
 
 logger = logging.getLogger("kiln.runtime")
-
-# Share of free memory the KV cache may take when num_kv_blocks is not given.
-_DEFAULT_KV_MEMORY_FRACTION = 0.9
-_CPU_KV_MEMORY_FRACTION = 0.3
 
 
 @dataclass(frozen=True)
@@ -36,8 +31,10 @@ class RuntimeConfig:
     max_num_tokens: int
     max_seq_len: int
     block_size: int
-    num_kv_blocks: int
+    num_kv_blocks: int | None  # None until the model runner has sized the cache from memory
     enable_prefix_caching: bool
+    kv_cache_memory_fraction: float = 0.9  # share of the memory left after weights and activations
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (on CUDA)
 
 
 @dataclass(frozen=True)
@@ -79,21 +76,10 @@ def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch
     return dev
 
 
-def _default_num_blocks(config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int,
-                        max_batch_size: int, max_seq_len: int) -> int:
-    wanted = max_batch_size * -(-max_seq_len // block_size)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * _DEFAULT_KV_MEMORY_FRACTION)
-    else:
-        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * _CPU_KV_MEMORY_FRACTION)
-    affordable = budget // ModelRunner.kv_bytes_per_block(config, block_size, dtype)
-    return max(1, min(wanted, affordable))
-
-
 def load_engine(engine_dir: str | Path, *, device: str | torch.device | None = None,
                 max_batch_size: int | None = None, max_num_tokens: int | None = None,
                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
                 verify_checksums: bool = False) -> tuple[LoadedEngine, RuntimeConfig]:
     """Checks and loads an engine directory; every failure is an EngineError or ValueError saying what to do."""
     start = time.perf_counter()
@@ -114,10 +100,8 @@ def load_engine(engine_dir: str | Path, *, device: str | torch.device | None = N
     block_size = int(build["kv_block_size"])
     batch = _override("max_batch_size", max_batch_size, int(build["max_batch_size"]), "--max-batch-size")
     tokens = _override("max_num_tokens", max_num_tokens, int(build["max_num_tokens"]), "--max-num-tokens")
-    if num_kv_blocks is None:
-        blocks = _default_num_blocks(config, dev, dtype, block_size, batch, max_seq_len)
-    else:
-        blocks = _override("num_kv_blocks", num_kv_blocks, 2**31 - 1, "")
+    blocks = None if num_kv_blocks is None else _override("num_kv_blocks", num_kv_blocks, 2**31 - 1, "")
+    fraction = check_fraction(kv_cache_memory_fraction)
 
     with torch.device("meta"):
         model = model_def.model_class(config)
@@ -143,5 +127,6 @@ def load_engine(engine_dir: str | Path, *, device: str | torch.device | None = N
                 time.perf_counter() - start)
     runtime = RuntimeConfig(device=dev, dtype=dtype, max_batch_size=batch, max_num_tokens=tokens,
                             max_seq_len=max_seq_len, block_size=block_size, num_kv_blocks=blocks,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_fraction=fraction,
+                            cuda_graphs=bool(cuda_graphs))
     return LoadedEngine(spec, config, model, tokenizer), runtime

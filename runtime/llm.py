@@ -38,16 +38,20 @@ class LLM:
     """An engine loaded for generation in this process.
 
     Runtime limits default to what the engine was built with and may only be lowered. `num_kv_blocks`
-    defaults to what the device's free memory allows, up to max_batch_size sequences of max_seq_len.
+    defaults to `kv_cache_memory_fraction` of the memory left after the weights and one step's activations
+    (on the CPU: up to max_batch_size sequences of max_seq_len). On CUDA, decode steps run as CUDA graphs
+    captured at startup unless `cuda_graphs=False`.
     """
 
     def __init__(self, engine_dir: str | Path, *, device: str | torch.device | None = None,
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
                  verify_checksums: bool = False) -> None:
         loaded, runtime = load_engine(engine_dir, device=device, max_batch_size=max_batch_size,
                                       max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
                                       enable_prefix_caching=enable_prefix_caching,
+                                      kv_cache_memory_fraction=kv_cache_memory_fraction, cuda_graphs=cuda_graphs,
                                       verify_checksums=verify_checksums)
         self.engine = LLMEngine(loaded, runtime)
         self._aborted: list[RequestOutput] = []  # final outputs of abort() calls, for stream() to yield

@@ -38,6 +38,32 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's sampled tokens still on the logits' device: launching the sampling does not wait for the
+    GPU; `to_host` does (the one host sync of a step)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, when some row asked for logprobs
+    top: tuple[torch.Tensor, torch.Tensor] | None  # ([B, k] float32 values, [B, k] int64 ids), most likely first
+    top_counts: tuple[int, ...]  # per row, how many of the top-k it asked for
+
+    def to_host(self) -> SamplerOutput:
+        # Queue every copy before the first wait, so the GPU finishes once and the copies follow back to back.
+        tokens = self.token_ids.to("cpu", non_blocking=True)
+        logprobs = self.logprobs.to("cpu", non_blocking=True) if self.logprobs is not None else None
+        top = None
+        if self.top is not None:
+            values, indices = (t.to("cpu", non_blocking=True) for t in self.top)
+        if self.token_ids.device.type == "cuda":
+            torch.cuda.current_stream(self.token_ids.device).synchronize()
+        if self.top is not None:
+            values, indices = values.tolist(), indices.tolist()
+            top = [list(zip(indices[i][:k], values[i][:k])) for i, k in enumerate(self.top_counts)]
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs.tolist() if logprobs is not None else None,
+                             top_logprobs=top)
+
+
 class Sampler:
     """Picks the next token of every row of a batch of logits.
 
@@ -47,11 +73,14 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Samples and reads the result back."""
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """Queues the sampling of every row on the logits' device; nothing waits for the GPU."""
         # logits: [B, V] float32, raw model logits, one row per entry of `rows`
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
-        if not rows:
-            return SamplerOutput(token_ids=[], logprobs=None)
         raw = logits.float()
         processed = apply_penalties(raw, rows)  # [B, V] float32, a new tensor if any penalty applies
         tokens = processed.argmax(dim=-1)  # [B] int64; final for greedy rows
@@ -61,17 +90,15 @@ class Sampler:
             sampled = _sample(processed[index], raw[index], [rows[i] for i in random_rows])
             tokens = tokens.index_copy(0, index, sampled)
         logprobs = top = None
+        counts = tuple(row.params.top_logprobs for row in rows)
         if any(row.params.logprobs for row in rows):
             # log_probs: [B, V] float32, the model's own (unprocessed) distribution
             log_probs = torch.log_softmax(raw, dim=-1)
-            logprobs = log_probs.gather(1, tokens[:, None]).squeeze(1).tolist()
-            k = max(row.params.top_logprobs for row in rows)
-            if k:
-                values, indices = log_probs.topk(k, dim=-1)  # [B, k] each
-                values, indices = values.tolist(), indices.tolist()
-                top = [list(zip(indices[i][:row.params.top_logprobs], values[i][:row.params.top_logprobs]))
-                       for i, row in enumerate(rows)]
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=top)
+            logprobs = log_probs.gather(1, tokens[:, None]).squeeze(1)
+            if max(counts):
+                top = log_probs.topk(max(counts), dim=-1)  # ([B, k], [B, k])
+                top = (top.values, top.indices)
+        return DeviceSample(tokens, logprobs, top, counts)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -27,6 +27,8 @@ class ServeConfig:
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
     num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "metrics_port"):

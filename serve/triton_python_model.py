@@ -16,7 +16,6 @@ error response with the final flag; a request whose client cancelled is aborted,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -84,24 +83,16 @@ def instance_device(args: dict, params: BackendParameters) -> str:
 
 
 def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int | None):
-    """The LLMEngine; on CUDA its KV cache takes kv_cache_free_gpu_mem_fraction of the memory left free once
-    the weights are loaded (TensorRT-LLM's meaning). On the CPU the runtime sizes the cache as it does by
-    default (enough for max_batch_size sequences of max_seq_len, within 30% of available host memory)."""
-    import torch
-
+    """The LLMEngine; its KV cache takes kv_cache_free_gpu_mem_fraction of the memory left free once the
+    weights are loaded and one step's activations measured (TensorRT-LLM's meaning, kiln's
+    --kv-cache-memory-fraction). On the CPU the cache holds max_batch_size sequences of max_seq_len, within
+    that share of available host memory."""
     from kiln.runtime.engine import LLMEngine
     from kiln.runtime.engine_loader import load_engine
-    from kiln.runtime.model_runner import ModelRunner
 
-    on_cuda = torch.device(device).type == "cuda"
     loaded, runtime = load_engine(params.engine_dir, device=device, max_batch_size=max_batch_size,
-                                  num_kv_blocks=1 if on_cuda else None,  # placeholder, sized below
-                                  enable_prefix_caching=params.enable_kv_cache_reuse)
-    if on_cuda:
-        free, _ = torch.cuda.mem_get_info(runtime.device)
-        per_block = ModelRunner.kv_bytes_per_block(loaded.model_config, runtime.block_size, runtime.dtype)
-        blocks = int(free * params.kv_cache_free_gpu_mem_fraction) // per_block
-        runtime = dataclasses.replace(runtime, num_kv_blocks=max(1, blocks))
+                                  enable_prefix_caching=params.enable_kv_cache_reuse,
+                                  kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction)
     return LLMEngine(loaded, runtime)
 
 

@@ -32,8 +32,8 @@ class BackendParameters:
     """What model.py reads from config.pbtxt's `parameters` (Triton hands every value over as a string).
 
     Names and meanings follow TensorRT-LLM's Triton backend: `enable_kv_cache_reuse` is kiln's prefix cache;
-    `kv_cache_free_gpu_mem_fraction` is the share of the GPU memory left free after the weights are loaded
-    that the KV cache takes (CUDA engines only; a CPU engine sizes its cache as the runtime does by default);
+    `kv_cache_free_gpu_mem_fraction` is the share of the memory left free after the weights and one step's
+    activations that the KV cache takes (the runtime's kv_cache_memory_fraction);
     `batch_scheduler_policy` says when a request may enter the running batch (see triton_engine_loop).
     """
 

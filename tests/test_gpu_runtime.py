@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from model_factory import make_checkpoint
@@ -43,3 +45,48 @@ def test_cuda_engine_refuses_cpu_and_reports_target(tmp_path):
         LLM(engine, device="cpu")
     out = LLM(engine).generate("the cat", SamplingParams(max_tokens=8, temperature=0))[0]
     assert len(out.token_ids) >= 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_graphs_give_the_eager_tokens_under_in_flight_batching(tmp_path, dtype):
+    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
+    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype=dtype, max_batch_size=24,
+                                                                    max_num_tokens=64, max_seq_len=256,
+                                                                    kv_block_size=16), progress=False)
+    graphs = LLM(engine, num_kv_blocks=200)
+    eager = LLM(engine, num_kv_blocks=200, cuda_graphs=False)
+    assert graphs.engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 24]
+    assert eager.engine.runner.graphs is None
+    # 19 requests of different lengths: decode batches of many sizes, padded to the captured ones.
+    prompts = [[(7 * i + n) % 390 + 2 for i in range(n)] for n in range(3, 60, 3)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    batched = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert batched == [o.token_ids for o in eager.generate(prompts, params)]
+    assert [graphs.generate(p, params)[0].token_ids for p in prompts[::6]] == batched[::6]  # alone = batched
+    for llm in (graphs, eager):
+        stats = llm.kv_cache_stats()
+        assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_memory_report_and_kv_cache_fraction(tmp_path):
+    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
+    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype="bfloat16",
+                                                                    max_seq_len=128), progress=False)
+    big = LLM(engine, kv_cache_memory_fraction=0.2)
+    report = big.engine.runner.memory_report
+    assert report.weights_bytes > 0 and report.activation_bytes > 0 and report.graph_bytes >= 0
+    assert report.kv_cache_bytes > 0 and report.sequences_at_max_len == report.num_kv_blocks // 8
+    assert big.engine.runner.graph_capture_seconds > 0
+    blocks = report.num_kv_blocks
+    del big
+    gc.collect()
+    torch.cuda.empty_cache()
+    small = LLM(engine, kv_cache_memory_fraction=0.1)
+    assert 0.4 < small.engine.runner.num_kv_blocks / blocks < 0.6
+    del small
+    gc.collect()
+    torch.cuda.empty_cache()
+    from kiln.builder.engine_format import EngineError
+
+    with pytest.raises(EngineError, match="raise --kv-cache-memory-fraction"):
+        LLM(engine, kv_cache_memory_fraction=1e-9)

@@ -1,4 +1,5 @@
-"""`kiln bench serve`: benchmark any OpenAI-compatible server (kiln's own, vLLM, SGLang, TensorRT-LLM's)."""
+"""`kiln bench latency|throughput|serve`: the engine offline (batch 1, or many requests queued at once), or any
+OpenAI-compatible server (kiln's own, vLLM, SGLang, TensorRT-LLM's) under load."""
 
 from __future__ import annotations
 
@@ -7,10 +8,34 @@ import asyncio
 import json
 from pathlib import Path
 
+from .runtime_args import add_runtime_args, runtime_kwargs
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark a server", description="Benchmarks.")
-    kinds = p.add_subparsers(dest="bench_kind", required=True, metavar="{serve}")
+    p = sub.add_parser("bench", help="benchmark an engine or a server", description="Benchmarks.")
+    kinds = p.add_subparsers(dest="bench_kind", required=True, metavar="{latency,throughput,serve}")
+    lat = kinds.add_parser(
+        "latency", help="batch 1: time to first token, decode tokens/s, inter-token latency",
+        description="Load the engine and generate for one random prompt of --input-len tokens, --output-len tokens "
+                    "(EOS ignored), --num-iters times after --warmup untimed runs; report time to first token, "
+                    "decode tokens/s and inter-token latency p50/p99, plus startup and graph-capture time.")
+    thr = kinds.add_parser(
+        "throughput", help="many requests at once: output and total tokens/s",
+        description="Load the engine, queue --num-requests random prompts of --input-len tokens at once, each "
+                    "generating --output-len tokens (EOS ignored), after one untimed warm-up batch; report output "
+                    "and total (prompt + output) tokens/s, plus startup and graph-capture time.")
+    for q in (lat, thr):
+        q.add_argument("--engine", required=True, help="engine directory made by `kiln build`")
+        q.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+        q.add_argument("--output-len", type=int, default=128, help="generated tokens (default: 128)")
+        q.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+        q.add_argument("--output", default=None, help="also write the results as JSON to this file")
+        add_runtime_args(q)
+    lat.add_argument("--num-iters", type=int, default=3, help="timed runs (default: 3)")
+    lat.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: 1)")
+    lat.set_defaults(run=run_offline)
+    thr.add_argument("--num-requests", type=int, default=1000, help="requests queued at once (default: 1000)")
+    thr.set_defaults(run=run_offline, num_iters=1, warmup=1)
     s = kinds.add_parser(
         "serve", help="load an OpenAI-compatible server with Poisson arrivals",
         description="Send --num-prompts streaming requests to an OpenAI-compatible server, arriving as a Poisson "
@@ -47,4 +72,50 @@ def run(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps(to_json(summary), indent=2, allow_nan=False) + "\n")
     if summary["completed"] == 0:
         raise ValueError(f"no request completed: {'; '.join(summary['errors'])}")
+    return 0
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    import torch
+
+    from kiln.runtime import LLM
+    from kiln.runtime.benchmark import BenchSpec, format_table, run_latency, run_throughput
+
+    spec = BenchSpec(input_len=args.input_len, output_len=args.output_len,
+                     num_requests=getattr(args, "num_requests", 1), num_iters=args.num_iters, warmup=args.warmup,
+                     seed=args.seed)
+    start = time.perf_counter()
+    llm = LLM(args.engine, **runtime_kwargs(args))
+    startup = time.perf_counter() - start
+    runner, runtime = llm.engine.runner, llm.engine.runtime
+    results = run_latency(llm, spec) if args.bench_kind == "latency" else run_throughput(llm, spec)
+    device = runtime.device
+    summary = {
+        "benchmark": args.bench_kind, "engine": str(args.engine), "spec": dataclasses.asdict(spec),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(runtime.dtype).removeprefix("torch."), "max_batch_size": runtime.max_batch_size,
+        "max_num_tokens": runtime.max_num_tokens, "num_kv_blocks": runtime.num_kv_blocks,
+        "startup_s": startup, "graph_capture_s": runner.graph_capture_seconds,
+        "memory": dataclasses.asdict(runner.memory_report), **results,
+    }
+    rows = [("benchmark", f"{args.bench_kind} on {summary['device']} ({summary['dtype']})"),
+            ("input / output tokens", f"{spec.input_len} / {spec.output_len}"),
+            ("startup (load to ready) s", f"{startup:.2f}"),
+            ("CUDA graph capture s", f"{runner.graph_capture_seconds:.2f}")]
+    if args.bench_kind == "latency":
+        rows += [("time to first token ms", f"{results['ttft_ms']:.2f}"),
+                 ("decode tokens/s", f"{results['decode_tokens_per_s']:.1f}"),
+                 ("inter-token latency ms p50 / p99", f"{results['itl_p50_ms']:.2f} / {results['itl_p99_ms']:.2f}")]
+    else:
+        rows += [("requests", f"{spec.num_requests} (max batch {runtime.max_batch_size})"),
+                 ("elapsed s", f"{results['elapsed_s']:.2f}"),
+                 ("output tokens/s", f"{results['output_tokens_per_s']:.1f}"),
+                 ("total tokens/s", f"{results['total_tokens_per_s']:.1f}"),
+                 ("requests/s", f"{results['requests_per_s']:.2f}")]
+    print(format_table(rows))
+    if args.output:
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

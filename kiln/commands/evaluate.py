@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from .runtime_args import add_runtime_args, runtime_kwargs
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate an engine", description="Evaluate an engine.")
@@ -23,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ppl.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     ppl.add_argument("--window", type=int, default=None,
                      help="tokens per window (default and most: the engine's max_seq_len - 1)")
-    ppl.add_argument("--device", default=None, help="device to run on (default: the engine's target)")
+    add_runtime_args(ppl)
     ppl.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ppl.set_defaults(run=run)
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if not text:
         raise ValueError(f"--text-file {path}: the file is empty")
     start = time.perf_counter()
-    llm = LLM(args.engine, device=args.device)
+    llm = LLM(args.engine, **runtime_kwargs(args))
     loaded = time.perf_counter()
     result = perplexity(llm, text, max_tokens=args.max_tokens, window_len=args.window)
     done = time.perf_counter()

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from .runtime_args import add_runtime_args, runtime_kwargs
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from an engine",
@@ -17,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    p.add_argument("--device", default=None, help="device to run on (default: the engine's target)")
+    add_runtime_args(p)
     p.set_defaults(run=run)
 
 
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     start = time.perf_counter()
-    llm = LLM(args.engine, device=args.device)
+    llm = LLM(args.engine, **runtime_kwargs(args))
     loaded = time.perf_counter()
     shown = 0
     out = None

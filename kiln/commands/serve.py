@@ -6,6 +6,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from .runtime_args import add_runtime_args, runtime_kwargs
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -29,10 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds running requests get to finish after SIGTERM before they are aborted (default: 30)")
     p.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
-    p.add_argument("--device", default=None, help="device to run on (default: the engine's target)")
-    p.add_argument("--max-batch-size", type=int, default=None, help="lower the engine's max_batch_size")
-    p.add_argument("--max-num-tokens", type=int, default=None, help="lower the engine's max_num_tokens")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: what memory allows)")
+    add_runtime_args(p)
     p.set_defaults(run=run)
 
 
@@ -49,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(engine_dir=args.engine, model_name=args.model_name or "", host=args.host,
                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                          api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                         shutdown_timeout_s=args.shutdown_timeout, chat_template=template, device=args.device,
-                         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                         num_kv_blocks=args.num_kv_blocks)
+                         shutdown_timeout_s=args.shutdown_timeout, chat_template=template,
+                         **runtime_kwargs(args))
     try:
         asyncio.run(serve(config))
     except OSError as e:  # a port in use, an address this machine does not have

@@ -21,3 +21,6 @@ class ForwardContext:
     seq_lens: torch.Tensor  # [S] int32: tokens of each sequence in the cache after this step
     query_start_loc: torch.Tensor  # [S+1] int32: where each sequence's tokens start in the packed batch
     kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v): [N, block_size, Hk, D]
+    # The largest of rope_lengths, known on the host: dynamic-NTK rope needs its per-length tables only past
+    # the trained context, and knowing that without reading the GPU keeps the step free of host syncs.
+    max_rope_length: int = 0

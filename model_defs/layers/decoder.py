@@ -65,7 +65,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.rotary is None:
             raise RuntimeError("call setup_rotary() before the first forward")
-        cos, sin = self.rotary.lookup(ctx.positions, ctx.rope_lengths)  # [T, D/2] each
+        cos, sin = self.rotary.lookup(ctx.positions, ctx.rope_lengths, ctx.max_rope_length)  # [T, D/2] each
         x = self.model.embed_tokens(input_ids)  # [T, H]
         residual = None
         for layer in self.model.layers:

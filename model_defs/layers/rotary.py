@@ -61,16 +61,20 @@ class RotaryTables:
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def lookup(self, positions: torch.Tensor, rope_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions, rope_lengths: [T] int64 -> cos, sin: [T, D/2] float32."""
+    def needs_per_length_tables(self, max_rope_length: int) -> bool:
+        """Whether a step whose longest rope length is this needs more than the fixed tables."""
+        return self.rope.rope_type == "dynamic" and max_rope_length > self.max_position_embeddings
+
+    def lookup(self, positions: torch.Tensor, rope_lengths: torch.Tensor,
+               max_rope_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions, rope_lengths: [T] int64 -> cos, sin: [T, D/2] float32. max_rope_length is
+        max(rope_lengths), given by the caller so that the common case needs no host sync."""
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
-        if self.rope.rope_type != "dynamic":
+        if not self.needs_per_length_tables(max_rope_length):
             return cos, sin
         # Dynamic NTK: tokens of sequences longer than the trained context use a larger base.
         long = rope_lengths > self.max_position_embeddings
-        if not bool(long.any()):
-            return cos, sin
         cos, sin = cos.clone(), sin.clone()
         for length in rope_lengths[long].unique().tolist():
             rows = (rope_lengths == length).nonzero().squeeze(1)

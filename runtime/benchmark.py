@@ -1,0 +1,105 @@
+"""Offline benchmarks over the Python API: `kiln bench latency` and `kiln bench throughput`.
+
+Prompts are random token ids (seeded), so any engine works, dummy weights included, and no two prompts share
+a prefix the cache could reuse. Generation ignores EOS, so every request produces exactly output_len tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from .llm import LLM
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What to run. latency: batch 1, `num_iters` timed runs after `warmup` untimed ones. throughput:
+    `num_requests` requests queued at once, after one untimed warm-up batch."""
+
+    input_len: int
+    output_len: int
+    num_requests: int = 1
+    num_iters: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "output_len", "num_requests", "num_iters"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r} must be >= 0")
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def _params(spec: BenchSpec, output_len: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=output_len or spec.output_len, temperature=0.0, ignore_eos=True)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def run_latency(llm: LLM, spec: BenchSpec) -> dict:
+    """Batch 1: time to first token, decode tokens/s (tokens after the first over the time after it) and
+    inter-token latency p50/p99 over all timed iterations."""
+    vocab = llm.engine.model_config.vocab_size
+    prompts = random_prompts(spec.warmup + spec.num_iters, spec.input_len, vocab, spec.seed)
+    ttfts, decode_rates, itls, totals = [], [], [], []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        stamps = [time.perf_counter() for _ in llm.stream(prompt, _params(spec))]
+        if i < spec.warmup:
+            continue
+        ttfts.append(stamps[0] - start)
+        totals.append(stamps[-1] - start)
+        itls.extend(b - a for a, b in zip(stamps, stamps[1:]))
+        if len(stamps) > 1:
+            decode_rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return {
+        "ttft_ms": 1000 * statistics.median(ttfts),
+        "decode_tokens_per_s": statistics.median(decode_rates) if decode_rates else float("nan"),
+        "itl_p50_ms": 1000 * _percentile(itls, 50),
+        "itl_p99_ms": 1000 * _percentile(itls, 99),
+        "end_to_end_s": statistics.median(totals),
+    }
+
+
+def run_throughput(llm: LLM, spec: BenchSpec) -> dict:
+    """`num_requests` requests at once through in-flight batching; output and total tokens per second."""
+    vocab = llm.engine.model_config.vocab_size
+    if spec.warmup:  # compiles the kernels for prefill, mixed and decode steps before the clock starts
+        batch = min(spec.num_requests, llm.engine.runtime.max_batch_size)
+        llm.generate(random_prompts(batch, spec.input_len, vocab, spec.seed + 1), _params(spec, 4))
+    prompts = random_prompts(spec.num_requests, spec.input_len, vocab, spec.seed)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, _params(spec))
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": spec.num_requests / elapsed,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (generated + spec.num_requests * spec.input_len) / elapsed,
+        "output_tokens": generated,
+    }
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -1,0 +1,122 @@
+"""CUDA graphs of the decode step (one new token per sequence), captured once per batch size.
+
+A decode step launches a few hundred small kernels; replaying a captured graph launches them all with one
+call, so the GPU, not Python, sets the pace. A batch of n sequences runs the graph of the smallest
+captured size >= n; the extra rows are padding: slot -1 (the KV write skips them) and sequence length 0
+(attention reads nothing for them), and their logits are dropped.
+
+Every tensor a graph reads or writes is allocated here once and never reallocated: a graph holds raw
+addresses. The host side fills pinned staging buffers, copied to the device buffers before each replay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.model_defs.layers import ForwardContext
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_batch_size (and max_batch_size itself): padding wastes at most
+    15 rows, and a decode step's cost hardly grows with its rows at these sizes."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
+    return sorted(set(sizes + [max_batch_size]))
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step as plain host data: row i is sequence i, whose new token sits at positions[i]."""
+
+    input_ids: Sequence[int]
+    positions: Sequence[int]
+    rope_lengths: Sequence[int]
+    slots: Sequence[int]
+    block_tables: Sequence[Sequence[int]]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class DecodeGraphs:
+    """Captured decode steps for `capture_sizes(max_batch_size)`; `run` replays the one that fits."""
+
+    def __init__(self, model: nn.Module, kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...], *,
+                 max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.model = model
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_batch_size = max_batch_size
+        g, mb = max_batch_size, max_blocks_per_seq
+        # Device buffers read by every graph (allocated once; graphs hold their addresses).
+        # ints: [4, G] int64 rows = input_ids, positions, rope_lengths, slot_mapping
+        self._ints = torch.zeros(4, g, dtype=torch.int64, device=device)
+        # tables: [G, 1 + MB] int32: column 0 = seq_lens, the rest = block tables
+        self._tables = torch.zeros(g, 1 + mb, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(g + 1, dtype=torch.int32, device=device)  # one token per sequence
+        # Pinned staging of the same layout. Refilled each step; safe because the engine reads the sampled
+        # tokens back (a sync) after every replay, so the previous copy has finished before the next fill.
+        self._host_ints = torch.zeros(4, g, dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.zeros(g, 1 + mb, dtype=torch.int32, pin_memory=True)
+        self._np_ints = self._host_ints.numpy()
+        self._np_tables = self._host_tables.numpy()
+        self._kv_caches = kv_caches
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # size -> [size, V] float32, written by that graph
+
+    def _context(self, size: int) -> ForwardContext:
+        return ForwardContext(
+            positions=self._ints[1, :size], rope_lengths=self._ints[2, :size], slot_mapping=self._ints[3, :size],
+            block_tables=self._tables[:size, 1:], seq_lens=self._tables[:size, 0],
+            query_start_loc=self._query_start_loc[:size + 1], kv_caches=self._kv_caches, max_rope_length=0)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self._ints[0, :size], self._context(size))  # [size, H]
+        return self.model.compute_logits(hidden)  # [size, V] float32
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Captures every size (largest first, so the smaller ones reuse its memory); returns seconds.
+        The padding rows used while capturing write nothing (slot -1) and read nothing (length 0)."""
+        start = time.perf_counter()
+        self._ints.zero_()
+        self._ints[2].fill_(1)
+        self._ints[3].fill_(-1)
+        self._tables.zero_()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # compiles the kernels and settles the allocator outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def fits(self, num_seqs: int) -> bool:
+        return 0 < num_seqs <= self.max_batch_size
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Replays the graph for `batch`; returns its logits [len(batch), V] float32, valid until the next run."""
+        n = len(batch)
+        size = next(s for s in self.sizes if s >= n)
+        ints, tables = self._np_ints, self._np_tables
+        ints[0, :n] = batch.input_ids
+        ints[1, :n] = batch.positions
+        ints[2, :n] = batch.rope_lengths
+        ints[3, :n] = batch.slots
+        ints[:, n:size] = np.array([[0], [0], [1], [-1]])  # padding rows
+        tables[:size, 0] = 0
+        for i, blocks in enumerate(batch.block_tables):
+            tables[i, 0] = batch.positions[i] + 1
+            tables[i, 1:1 + len(blocks)] = blocks
+        # Stale block ids past a sequence's own blocks are never read: attention stops at its length.
+        self._ints.copy_(self._host_ints, non_blocking=True)  # whole rows: a strided slice would not be async
+        self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+        self._graphs[size].replay()
+        return self._logits[size][:n]

@@ -6,6 +6,7 @@ from .attention import paged_attention
 from .kv_cache import write_kv_cache
 from .norm import fused_add_rms_norm, rms_norm
 from .rotary import rotary_embedding
+from .rotary_kv import rotary_embedding_and_write_kv
 
-__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-           "write_kv_cache"]
+__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
+           "rotary_embedding_and_write_kv", "silu_and_mul", "write_kv_cache"]

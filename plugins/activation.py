@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous
+from ._triton import USE_TRITON
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -30,3 +31,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[-1]}")
     return _silu_and_mul_op(x)
+
+
+if USE_TRITON:
+    from .triton_activation import silu_and_mul_triton
+
+    _silu_and_mul_op.register_kernel("cuda")(silu_and_mul_triton)

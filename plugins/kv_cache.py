@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_dims, check_dtype, check_same_device, check_size
+from ._triton import USE_TRITON
 
 
 def write_kv_cache_reference(
@@ -32,10 +33,9 @@ def _(k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Writes k, v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64."""
+def check_kv_write_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Raises ValueError naming the bad argument of a KV-cache write; the fused rotary + write uses it too."""
     for name, t, nd in (("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
                         ("slot_mapping", slot_mapping, 1)):
         check_dims(name, t, nd)
@@ -50,4 +50,17 @@ def write_kv_cache(
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes k, v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64."""
+    check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
     _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping)
+
+
+if USE_TRITON:
+    from .triton_rotary_kv import write_kv_cache_triton
+
+    _write_kv_cache_op.register_kernel("cuda")(write_kv_cache_triton)

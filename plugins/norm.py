@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_same_device, check_size
+from ._triton import USE_TRITON
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,3 +67,10 @@ def fused_add_rms_norm(
             f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}"
         )
     return _fused_add_rms_norm_op(x, residual, weight, eps)
+
+
+if USE_TRITON:
+    from .triton_norm import fused_add_rms_norm_triton, rms_norm_triton
+
+    _rms_norm_op.register_kernel("cuda")(rms_norm_triton)
+    _fused_add_rms_norm_op.register_kernel("cuda")(fused_add_rms_norm_triton)

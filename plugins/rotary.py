@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous, check_size
+from ._checks import (
+    FLOAT_DTYPES,
+    check_dims,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_size,
+)
+from ._triton import USE_TRITON
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,10 +44,8 @@ def _(q, k, cos, sin):
     return torch.empty_like(q), torch.empty_like(k)
 
 
-def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
+def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Raises ValueError naming the bad argument of a rotary call; the fused rotary + KV write uses it too."""
     check_dims("q", q, 3)
     check_dims("k", k, 3)
     check_dims("cos", cos, 2)
@@ -54,6 +60,20 @@ def rotary_embedding(
         check_size(name, t, 0, q.shape[0], "tokens in q")
     check_size("cos", cos, 1, head_dim // 2, "half the head dim")
     check_size("sin", sin, 1, head_dim // 2, "half the head dim")
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("k", k)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
+    check_rotary_args(q, k, cos, sin)
     return _rotary_op(q, k, cos, sin)
+
+
+if USE_TRITON:
+    from .triton_rotary_kv import rotary_embedding_triton
+
+    _rotary_op.register_kernel("cuda")(rotary_embedding_triton)

@@ -13,6 +13,7 @@ from kiln.plugins import (
     paged_attention,
     rms_norm,
     rotary_embedding,
+    rotary_embedding_and_write_kv,
     silu_and_mul,
     write_kv_cache,
 )
@@ -75,6 +76,24 @@ def test_write_kv_cache_skips_negative_slots():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_and_kv_write_equals_the_two_ops(dtype):
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 6, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)  # views into one fused output
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1))
+    freqs = torch.randn(tokens, dim // 2)
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.tensor([3, -1, 0, 9, -1, 12])
+    k_cache = torch.randn(4, 4, kv_heads, dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = rotary_embedding(q, k, cos, sin)
+    write_kv_cache(ref_k, v, ref_k_cache, ref_v_cache, slots)
+    out_q = rotary_embedding_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(out_q, ref_q) and torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_match_transformers(dtype):
     torch.manual_seed(0)
     hf = LlamaRMSNorm(32, eps=1e-5).to(dtype)
@@ -114,12 +133,24 @@ def test_ops_pass_torch_library_opcheck():
         (torch.ops.kiln.silu_and_mul.default, (torch.randn(3, 8),)),
         (torch.ops.kiln.rotary_embedding.default, (q, k, cos, sin)),
         (torch.ops.kiln.write_kv_cache.default, (k, k.clone(), k_cache, k_cache.clone(), torch.tensor([0, 1, 2]))),
+        (torch.ops.kiln.rotary_embedding_and_write_kv.default,
+         (q, k, k.clone(), cos, sin, k_cache, k_cache.clone(), torch.tensor([0, -1, 2]))),
         (torch.ops.kiln.paged_attention.default,
          (q, k_cache, k_cache.clone(), torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
           torch.tensor([0, 3], dtype=torch.int32), 0.3, 0)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _fused_rotary_kv_call(**bad):
+    args = dict(q=torch.randn(2, 4, 8), k=torch.randn(2, 2, 8), v=torch.randn(2, 2, 8), cos=torch.randn(2, 4),
+                sin=torch.randn(2, 4), k_cache=torch.zeros(4, 2, 2, 8), v_cache=torch.zeros(4, 2, 2, 8),
+                slot_mapping=torch.tensor([0, 1]))
+    args.update(bad)
+    if "k_cache" in bad:
+        args["v_cache"] = torch.zeros_like(bad["k_cache"])
+    return rotary_embedding_and_write_kv(**args)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -130,6 +161,11 @@ def test_ops_pass_torch_library_opcheck():
      r"cos.shape\[1\] is 3, expected 4"),
     (lambda: write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.zeros(4, 2, 2, 8),
                             torch.zeros(4, 2, 2, 8), torch.tensor([0, 1], dtype=torch.int32)), "slot_mapping has dtype"),
+    (lambda: _fused_rotary_kv_call(cos=torch.randn(2, 3)), r"cos.shape\[1\] is 3, expected 4"),
+    (lambda: _fused_rotary_kv_call(k=torch.randn(2, 2, 8, dtype=torch.float16)), "k has dtype"),
+    (lambda: _fused_rotary_kv_call(v=torch.randn(2, 1, 8)), "v shape"),
+    (lambda: _fused_rotary_kv_call(k_cache=torch.zeros(4, 2, 3, 8)), r"k_cache.shape\[2\] is 3, expected 2"),
+    (lambda: _fused_rotary_kv_call(slot_mapping=torch.tensor([0, 1], dtype=torch.int32)), "slot_mapping has dtype"),
     (lambda: paged_attention(torch.randn(2, 3, 8), torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8),
                              torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                              torch.tensor([0, 2], dtype=torch.int32), 1.0), "not a multiple of kv heads"),

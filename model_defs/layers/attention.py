@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.plugins import paged_attention, rotary_embedding, write_kv_cache
+from kiln.plugins import paged_attention, rotary_embedding_and_write_kv
 
 from ..config import ModelConfig
 from .context import ForwardContext
@@ -40,9 +40,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_embedding(q, k, cos, sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        write_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        q = rotary_embedding_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)  # k, v cached
         out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               self.scale, self.sliding_window)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, -1))

@@ -1,0 +1,50 @@
+"""Rotary embedding fused with the KV-cache write: rotates q and k, stores the rotated k and v in the paged
+cache and returns the rotated q. Same result as rotary_embedding followed by write_kv_cache, but the GPU
+runs one kernel per layer instead of two (and the rotated k never round-trips through memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import USE_TRITON
+from .kv_cache import check_kv_write_args, write_kv_cache_reference
+from .rotary import check_rotary_args, rotary_embedding_reference
+
+
+def rotary_embedding_and_write_kv_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    # q: [T, Hq, D]; k, v: [T, Hk, D]; cos, sin: [T, D/2] float32; caches: [N, block_size, Hk, D]
+    q_rot, k_rot = rotary_embedding_reference(q, k, cos, sin)
+    write_kv_cache_reference(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
+_rotary_kv_op = torch.library.custom_op(
+    "kiln::rotary_embedding_and_write_kv", mutates_args=("k_cache", "v_cache")
+)(rotary_embedding_and_write_kv_reference)
+
+
+@_rotary_kv_op.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    return torch.empty_like(q)
+
+
+def rotary_embedding_and_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by cos, sin: [T, D/2] (float32), writes the rotated k and
+    v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64 (-1 skips a
+    token), and returns the rotated q: [T, Hq, D]."""
+    check_rotary_args(q, k, cos, sin)
+    check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
+    return _rotary_kv_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+if USE_TRITON:
+    from .triton_rotary_kv import rotary_embedding_and_write_kv_triton
+
+    _rotary_kv_op.register_kernel("cuda")(rotary_embedding_and_write_kv_triton)

@@ -1,0 +1,311 @@
+"""Triton kernels for `kiln::paged_attention` (semantics: plugins/attention.py).
+
+Two paths, picked from shapes only so that a captured CUDA graph replays the same launches:
+- unified (any batch): a program owns BLOCK_Q query tokens of one sequence and one kv head, and computes
+  the GROUP = Hq / Hk query heads of that kv head together, so each key tile is loaded once for
+  BLOCK_Q * GROUP query rows. Programs find their sequence by binary search on the GPU (no host sync).
+- decode (T == S, one token per sequence): flash-decoding. Programs (sequence, kv head, split) each
+  cover one contiguous part of the keys and, when there is more than one split, write an fp32 partial
+  output and its log-sum-exp, which a second kernel merges.
+Keys are gathered through the block table one position at a time, so BLOCK_N does not depend on the
+cache block size. Scores use exp2 with scale * log2(e) folded into one multiply.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# The running max starts finite: a row whose keys are all masked so far keeps exp2(-inf - m) = 0 and
+# alpha = 1 instead of the NaN that -inf - -inf would give.
+_M_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_end, q_pos, window, qk_scale,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
+                 USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N). MASK_KEYS drops keys >= key_end (never
+    read); CAUSAL drops, per row, keys after q_pos and (USE_WINDOW) keys <= q_pos - window. Tiles known
+    to be fully visible skip both."""
+    # q: [BLOCK_M, BLOCK_D]; acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i, q_pos: [BLOCK_M]
+    k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)
+    key_ok = k_pos < key_end
+    if MASK_KEYS:
+        block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        block = tl.load(table_ptr + k_pos // BLOCK_SIZE)
+    slot = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+    kv_offs = (slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM)[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    load_mask = offs_d[None, :] < HEAD_DIM
+    if MASK_KEYS:
+        load_mask = load_mask & key_ok[:, None]
+    k = tl.load(k_ptr + kv_offs, mask=load_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif MASK_KEYS:
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + kv_offs, mask=load_mask, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _sequence_of_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    # Sequence s owns tiles [query_start_loc[s] // BLOCK_Q + s, the same for s + 1): at least the
+    # ceil(n_s / BLOCK_Q) it needs whatever its start's alignment, and found without a host sync.
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        owns = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid - 1)
+    return lo
+
+
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles"])
+def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                    qk_scale, window, num_seqs, num_tiles, stride_q_tok, stride_q_head, stride_o_tok,
+                    stride_o_head, stride_table,
+                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = pid % NUM_KV_HEADS
+    tile = num_tiles - 1 - pid // NUM_KV_HEADS  # last tiles (the most keys) start first
+    seq = _sequence_of_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    num_queries = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_q = (tile - q_start // BLOCK_Q - seq) * BLOCK_Q  # this tile's first query within the sequence
+    if first_q >= num_queries:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - num_queries + first_q
+    last_pos = first_pos + tl.minimum(num_queries - first_q, BLOCK_Q) - 1
+
+    # Row r is query token r // GROUP of the tile, head r % GROUP of this kv head's group.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_idx = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (q_idx < BLOCK_Q) & (first_q + q_idx < num_queries)
+    q_pos = tl.minimum(first_pos + q_idx, last_pos)  # padding rows borrow a real row's position
+    token = (q_start + first_q + q_idx).to(tl.int64)
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=io_mask, other=0.0).to(k_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+
+    # Keys some row sees: [key_lo, last_pos]; keys every row sees: [full_lo, first_pos].
+    key_hi = last_pos + 1
+    if USE_WINDOW:
+        key_lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, key_lo)
+    else:
+        key_lo = first_pos * 0
+        full_lo = key_lo
+    num_steps = tl.cdiv(tl.maximum(key_hi - key_lo, 0), BLOCK_N)
+    full_start = tl.minimum(tl.cdiv(full_lo - key_lo, BLOCK_N), num_steps)
+    full_end = tl.maximum(tl.minimum(tl.maximum(first_pos + 1 - key_lo, 0) // BLOCK_N, num_steps), full_start)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    for step in range(0, full_start):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
+                                     key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION)
+    for step in range(full_start, full_end):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
+                                     key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                     BLOCK_D, False, False, USE_WINDOW, DOT_PRECISION)
+    for step in range(full_end, num_steps):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
+                                     key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no key (seq_len 0 padding) give zeros
+    tl.store(out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit(do_not_specialize=["window"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+                   qk_scale, window, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_table,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)  # == its query token: one token per sequence
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if USE_WINDOW:
+        key_lo = tl.maximum(seq_len - window, 0)
+    else:
+        key_lo = seq_len * 0
+    # Splits share the sequence's keys in BLOCK_N-aligned parts; the last ones may be empty.
+    per_split = tl.cdiv(tl.cdiv(seq_len - key_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = key_lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    num_steps = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + offs_m
+    io_mask = (offs_m[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=io_mask, other=0.0).to(k_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    for step in range(0, num_steps):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start + step * BLOCK_N,
+                                     end, seq_len - 1, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                     BLOCK_D, True, False, USE_WINDOW, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        row = (seq * (NUM_KV_HEADS * GROUP) + head).to(tl.int64) * NUM_SPLITS + split  # [S, Hq, NUM_SPLITS]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=io_mask)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=offs_m < GROUP)  # -inf for an empty split
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_tok, stride_o_head,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + row, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # 0 for empty splits
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_s[:, None] < NUM_SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_m: int  # query rows per program (tokens x heads of one kv head): a power of two >= 16
+    block_n: int  # keys per loop step
+    num_warps: int
+    num_stages: int
+    num_splits: int  # decode only: key partitions per (sequence, kv head); 1 writes the output directly
+
+
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+def _launch_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
+                   element_size: int, max_context: int, num_sms: int, decode: bool) -> _LaunchConfig:
+    """Tile sizes and split count from shapes only (never tensor values: CUDA graphs replay them).
+    The register and shared-memory figures below are ptxas's for sm_90 with bf16."""
+    block_d = triton.next_power_of_2(head_dim)
+    min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
+    if element_size == 4:
+        # fp32 caches (tests, CPU-built engines) run tf32x3 dots, which triple the registers: small tiles.
+        block_m, block_n, num_warps, num_stages = min_rows, 16, 4, 2
+    else:
+        # K and V tiles of block_n x block_d, num_stages deep, fit shared memory beside the query tile
+        # (<= 100 KB), and the fp32 accumulator fits registers without spills: halve the tiles for D=256.
+        block_n = 64 if block_d <= 128 else 32
+        num_stages = 3 if block_d <= 128 else 2
+        # Rows = tokens of one sequence x GROUP: sized to the average query count per sequence, so that
+        # decode-heavy mixed batches do not compute mostly padding rows.
+        rows = triton.next_power_of_2(-(-num_tokens // num_seqs) * group)
+        block_m = min_rows if decode else max(min_rows, min(rows, 128 if block_d <= 128 else 64))
+        # 4 warps hold a 32 x 128 fp32 accumulator in <= 200 registers a thread; larger tiles need 8.
+        num_warps = 4 if block_m * block_d <= 32 * 128 else 8
+    if not decode:
+        return _LaunchConfig(block_m, block_n, num_warps, num_stages, 1)
+    # Decode is memory-bound: one program per (sequence, kv head) leaves most SMs idle at small batch, so
+    # split the keys until ~2 programs per SM, keeping >= _MIN_KEYS_PER_SPLIT keys of the longest context
+    # the table addresses per split (shorter splits cost more in the merge than they save).
+    programs = num_seqs * num_kv_heads
+    splits = min(-(-2 * num_sms // programs), max_context // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    return _LaunchConfig(block_m, block_n, num_warps, num_stages, max(splits, 1))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (CPU tensors): an H100's count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """`paged_attention_reference` on the GPU; the decode path needs T == S with one token per sequence.
+    q may be strided except in its last dim; k_cache, v_cache must be contiguous."""
+    # q: [T, Hq, D]; k_cache, v_cache: [N, block_size, Hk, D] -> out: [T, Hq, D]
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs, group = seq_lens.shape[0], num_heads // num_kv_heads
+    out = q.new_zeros(q.shape) if num_seqs == 0 else q.new_empty(q.shape)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    decode = num_tokens == num_seqs
+    cfg = _launch_config(num_tokens, num_seqs, num_kv_heads, group, head_dim, k_cache.element_size(),
+                         block_tables.shape[1] * block_size, _sm_count(q.device), decode)
+    shared = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+                  USE_WINDOW=sliding_window > 0, DOT_PRECISION="tf32x3" if k_cache.dtype == torch.float32 else "tf32",
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    qk_scale = scale * LOG2E
+    if not decode:
+        block_q = cfg.block_m // group
+        num_tiles = num_tokens // block_q + num_seqs
+        _unified_kernel[(num_tiles * num_kv_heads,)](
+            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, sliding_window,
+            num_seqs, num_tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            BLOCK_Q=block_q, **shared)
+        return out
+    splits = cfg.num_splits
+    part_out = torch.empty((num_seqs, num_heads, splits, head_dim) if splits > 1 else (0,),
+                           dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_seqs, num_heads, splits) if splits > 1 else (0,), dtype=torch.float32,
+                           device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, sliding_window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), NUM_SPLITS=splits,
+        **shared)
+    if splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+    return out

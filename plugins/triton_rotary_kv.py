@@ -1,0 +1,143 @@
+"""Triton kernel behind kiln::rotary_embedding, kiln::write_kv_cache and kiln::rotary_embedding_and_write_kv.
+
+One kernel with two compile-time switches: ROTATE (rotate q and k) and WRITE_KV (store k and v into the
+paged cache; otherwise the rotated k goes to its own output). With both on, the decode path rotates and
+caches in one launch. Each program handles one token and a block of heads.
+
+Rounding follows rotary.py: cos/sin are rounded to the activation dtype, each product and the sum are
+rounded to the dtype, so q and k match the reference bit for bit. The cache store casts to the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Heads per program times half the head dim: enough work per program without spilling registers.
+_ELEMENTS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    # x1, x2: [BLOCK_H, BLOCK_HALF] both halves of the heads; cos, sin: [1, BLOCK_HALF] float32 holding values
+    # of x's dtype. out = x * cos + rotate_half(x) * sin, rounding each op to the dtype like the reference;
+    # a product of two 16-bit floats is exact in float32, so each rounds once.
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_q_heads, num_kv_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h,
+    stride_cos_t, stride_cos_d, stride_sin_t, stride_sin_d,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr, WRITE_KV: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    lo = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF] dims of the first half; lo + HALF the second
+    lo_mask = lo < HALF
+    kv_mask = (heads < num_kv_heads) & lo_mask
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + token)  # int64; -1 skips the token
+        kv_mask = kv_mask & (slot >= 0)
+        cache_offsets = (slot * num_kv_heads + heads) * (2 * HALF)  # [BLOCK_H, 1] in the contiguous caches
+    k_in = k_ptr + token * stride_kt + heads * stride_kh
+    k1 = tl.load(k_in + lo * stride_kd, mask=kv_mask)
+    k2 = tl.load(k_in + (lo + HALF) * stride_kd, mask=kv_mask)
+    if ROTATE:
+        # The reference casts the float32 table to the activation dtype before rotating.
+        dtype = q_ptr.dtype.element_ty
+        cos = tl.load(cos_ptr + token * stride_cos_t + lo * stride_cos_d, mask=lo_mask)
+        sin = tl.load(sin_ptr + token * stride_sin_t + lo * stride_sin_d, mask=lo_mask)
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+        q_mask = (heads < num_q_heads) & lo_mask  # q is rotated for every token, slot -1 or not
+        q_in = q_ptr + token * stride_qt + heads * stride_qh
+        q1, q2 = _rotate(tl.load(q_in + lo, mask=q_mask), tl.load(q_in + lo + HALF, mask=q_mask), cos, sin)
+        q_out = q_out_ptr + token * stride_q_out_t + heads * stride_q_out_h
+        tl.store(q_out + lo, q1, mask=q_mask)
+        tl.store(q_out + lo + HALF, q2, mask=q_mask)
+        k1, k2 = _rotate(k1, k2, cos, sin)
+    if WRITE_KV:
+        v_in = v_ptr + token * stride_vt + heads * stride_vh
+        v1 = tl.load(v_in + lo * stride_vd, mask=kv_mask)
+        v2 = tl.load(v_in + (lo + HALF) * stride_vd, mask=kv_mask)
+        # Through float32, so a float8 cache gets one rounding as with torch's .to() (but Triton saturates
+        # values beyond the float8 range where torch gives NaN).
+        k_ty = k_cache_ptr.dtype.element_ty
+        v_ty = v_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + cache_offsets + lo, k1.to(tl.float32).to(k_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + cache_offsets + lo + HALF, k2.to(tl.float32).to(k_ty), mask=kv_mask)
+        tl.store(v_cache_ptr + cache_offsets + lo, v1.to(tl.float32).to(v_ty), mask=kv_mask)
+        tl.store(v_cache_ptr + cache_offsets + lo + HALF, v2.to(tl.float32).to(v_ty), mask=kv_mask)
+    else:
+        k_out = k_out_ptr + token * stride_k_out_t + heads * stride_k_out_h
+        tl.store(k_out + lo, k1, mask=kv_mask)
+        tl.store(k_out + lo + HALF, k2, mask=kv_mask)
+
+
+def _launch(k: Tensor, *, q: Tensor | None = None, q_out: Tensor | None = None, cos: Tensor | None = None,
+            sin: Tensor | None = None, k_out: Tensor | None = None, v: Tensor | None = None,
+            k_cache: Tensor | None = None, v_cache: Tensor | None = None,
+            slot_mapping: Tensor | None = None) -> None:
+    """Rotates when q is given; writes k, v to the caches when k_cache is given, else the rotated k to k_out.
+
+    q, q_out: [T, Hq, D]; k, v, k_out: [T, Hk, D]; cos, sin: [T, D/2]; caches: [N, block_size, Hk, D],
+    contiguous; slot_mapping: [T] int64.
+    """
+    rotate, write_kv = q is not None, k_cache is not None
+    tokens, num_kv_heads, head_dim = k.shape
+    num_q_heads = q.shape[1] if rotate else 0
+    if tokens == 0:
+        return
+    # The tensors a mode does not use are never dereferenced (the switches are compile-time): k stands in.
+    q, q_out, cos, sin, k_out, v, k_cache, v_cache, slot_mapping = (
+        t if t is not None else k for t in (q, q_out, cos, sin, k_out, v, k_cache, v_cache, slot_mapping))
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    max_heads = max(num_q_heads, num_kv_heads)
+    block_h = min(triton.next_power_of_2(max_heads), max(1, _ELEMENTS_PER_PROGRAM // block_half))
+    grid = (tokens, triton.cdiv(max_heads, block_h))
+    _rotary_kv_kernel[grid](
+        q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slot_mapping,
+        num_q_heads, num_kv_heads,
+        q.stride(0), q.stride(1), *k.stride(), *v.stride(),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, ROTATE=rotate, WRITE_KV=write_kv,
+        num_warps=4,
+        # In float32 a fused multiply-add would skip the product's rounding that the reference does.
+        enable_fp_fusion=False,
+    )
+
+
+def rotary_embedding_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """kiln::rotary_embedding on CUDA: q: [T, Hq, D], k: [T, Hk, D] -> new rotated (q, k)."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _launch(k, q=q, q_out=q_out, cos=cos, sin=sin, k_out=k_out)
+    return q_out, k_out
+
+
+def write_kv_cache_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                          slot_mapping: Tensor) -> None:
+    """kiln::write_kv_cache on CUDA: k, v: [T, Hk, D] into the caches at slot_mapping: [T] (-1 skips)."""
+    _launch(k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def rotary_embedding_and_write_kv_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                                         k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """kiln::rotary_embedding_and_write_kv on CUDA: returns the rotated q; caches the rotated k and v."""
+    q_out = torch.empty_like(q)
+    _launch(k, q=q, q_out=q_out, cos=cos, sin=sin, v=v, k_cache=k_cache, v_cache=v_cache,
+            slot_mapping=slot_mapping)
+    return q_out

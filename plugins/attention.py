@@ -106,6 +106,10 @@ def paged_attention(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     check_last_dim_contiguous("q", q)
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    check_last_dim_contiguous("block_tables", block_tables)
     check_size("k_cache", k_cache, 3, q.shape[2], "head dim of q")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k_cache.shape[2]}")

@@ -55,14 +55,16 @@ class DecodeGraphs:
         # Device buffers read by every graph (allocated once; graphs hold their addresses).
         # ints: [4, G] int64 rows = input_ids, positions, rope_lengths, slot_mapping
         self._ints = torch.zeros(4, g, dtype=torch.int64, device=device)
-        # tables: [G, 1 + MB] int32: column 0 = seq_lens, the rest = block tables
-        self._tables = torch.zeros(g, 1 + mb, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(g, dtype=torch.int32, device=device)  # [G] int32
+        self._tables = torch.zeros(g, mb, dtype=torch.int32, device=device)  # [G, MB] int32 block tables
         self._query_start_loc = torch.arange(g + 1, dtype=torch.int32, device=device)  # one token per sequence
         # Pinned staging of the same layout. Refilled each step; safe because the engine reads the sampled
         # tokens back (a sync) after every replay, so the previous copy has finished before the next fill.
         self._host_ints = torch.zeros(4, g, dtype=torch.int64, pin_memory=True)
-        self._host_tables = torch.zeros(g, 1 + mb, dtype=torch.int32, pin_memory=True)
+        self._host_seq_lens = torch.zeros(g, dtype=torch.int32, pin_memory=True)
+        self._host_tables = torch.zeros(g, mb, dtype=torch.int32, pin_memory=True)
         self._np_ints = self._host_ints.numpy()
+        self._np_seq_lens = self._host_seq_lens.numpy()
         self._np_tables = self._host_tables.numpy()
         self._kv_caches = kv_caches
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -71,7 +73,7 @@ class DecodeGraphs:
     def _context(self, size: int) -> ForwardContext:
         return ForwardContext(
             positions=self._ints[1, :size], rope_lengths=self._ints[2, :size], slot_mapping=self._ints[3, :size],
-            block_tables=self._tables[:size, 1:], seq_lens=self._tables[:size, 0],
+            block_tables=self._tables[:size], seq_lens=self._seq_lens[:size],
             query_start_loc=self._query_start_loc[:size + 1], kv_caches=self._kv_caches, max_rope_length=0)
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -87,6 +89,7 @@ class DecodeGraphs:
         self._ints[2].fill_(1)
         self._ints[3].fill_(-1)
         self._tables.zero_()
+        self._seq_lens.zero_()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self._forward(size)  # compiles the kernels and settles the allocator outside the capture
@@ -105,18 +108,20 @@ class DecodeGraphs:
         """Replays the graph for `batch`; returns its logits [len(batch), V] float32, valid until the next run."""
         n = len(batch)
         size = next(s for s in self.sizes if s >= n)
-        ints, tables = self._np_ints, self._np_tables
+        ints, seq_lens, tables = self._np_ints, self._np_seq_lens, self._np_tables
         ints[0, :n] = batch.input_ids
         ints[1, :n] = batch.positions
         ints[2, :n] = batch.rope_lengths
         ints[3, :n] = batch.slots
         ints[:, n:size] = np.array([[0], [0], [1], [-1]])  # padding rows
-        tables[:size, 0] = 0
+        seq_lens[:n] = batch.positions
+        seq_lens[:n] += 1
+        seq_lens[n:size] = 0
         for i, blocks in enumerate(batch.block_tables):
-            tables[i, 0] = batch.positions[i] + 1
-            tables[i, 1:1 + len(blocks)] = blocks
+            tables[i, :len(blocks)] = blocks
         # Stale block ids past a sequence's own blocks are never read: attention stops at its length.
         self._ints.copy_(self._host_ints, non_blocking=True)  # whole rows: a strided slice would not be async
+        self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
         self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         self._graphs[size].replay()
         return self._logits[size][:n]

@@ -173,3 +173,12 @@ def _fused_rotary_kv_call(**bad):
 def test_wrappers_reject_bad_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_paged_attention_refuses_strided_seq_lens():
+    q = torch.zeros(2, 4, 8)
+    cache = torch.zeros(3, 4, 2, 8)
+    lens = torch.tensor([[1, 9], [1, 9]], dtype=torch.int32)[:, 0]  # strided view
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        paged_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), lens,
+                        torch.tensor([0, 1, 2], dtype=torch.int32), 1.0)

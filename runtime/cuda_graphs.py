@@ -21,6 +21,9 @@ from torch import nn
 
 from kiln.model_defs.layers import ForwardContext
 
+# A padding row of the int buffers (input_ids, positions, rope_lengths, slot_mapping): it writes nothing.
+_PADDING_ROW = np.array([[0], [0], [1], [-1]], dtype=np.int64)
+
 
 def capture_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to max_batch_size (and max_batch_size itself): padding wastes at most
@@ -113,7 +116,7 @@ class DecodeGraphs:
         ints[1, :n] = batch.positions
         ints[2, :n] = batch.rope_lengths
         ints[3, :n] = batch.slots
-        ints[:, n:size] = np.array([[0], [0], [1], [-1]])  # padding rows
+        ints[:, n:size] = _PADDING_ROW
         seq_lens[:n] = batch.positions
         seq_lens[:n] += 1
         seq_lens[n:size] = 0

@@ -20,6 +20,7 @@ from kiln.model_defs.layers import ForwardContext
 
 from . import memory
 from .cuda_graphs import DecodeBatch, DecodeGraphs
+from .host_tensors import to_device
 from .sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
@@ -192,12 +193,12 @@ class ModelRunner:
         for n in query_lens:
             starts.append(starts[-1] + n)
         return ForwardContext(
-            positions=self._tensor(positions, torch.int64),
-            rope_lengths=self._tensor(rope_lengths, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor([list(t) + [0] * (width - len(t)) for t in tables], torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(starts, torch.int32),
+            positions=to_device(positions, torch.int64, self.device),
+            rope_lengths=to_device(rope_lengths, torch.int64, self.device),
+            slot_mapping=to_device(slots, torch.int64, self.device),
+            block_tables=to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, self.device),
+            seq_lens=to_device(seq_lens, torch.int32, self.device),
+            query_start_loc=to_device(starts, torch.int32, self.device),
             kv_caches=kv_caches,
             max_rope_length=max(rope_lengths),
         )
@@ -227,7 +228,8 @@ class ModelRunner:
             tables=[r.block_ids for r in step.requests],
             seq_lens=[r.start_position + len(r.token_ids) for r in step.requests],
             query_lens=[len(r.token_ids) for r in step.requests], kv_caches=self.kv_caches)
-        return ctx, self._tensor(input_ids, torch.int64), self._tensor(sample_rows, torch.int64), tuple(sample_ids)
+        ids = to_device(input_ids, torch.int64, self.device)
+        return ctx, ids, to_device(sample_rows, torch.int64, self.device), tuple(sample_ids)
 
     def _prompt_logprobs(self, step: SchedulerOutput, hidden: torch.Tensor,
                          prompts: dict[str, list[int]]) -> dict[str, tuple[int, list[float]]]:
@@ -245,9 +247,3 @@ class ModelRunner:
                 result[r.request_id] = (first, picked.squeeze(1).tolist())
             offset += n
         return result
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        # Through pinned memory, so the copy does not wait for the GPU work queued before it.
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)

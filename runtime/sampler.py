@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_tensors import to_device
 from .sampling_params import SamplingParams
 
 
@@ -86,7 +87,7 @@ class Sampler:
         tokens = processed.argmax(dim=-1)  # [B] int64; final for greedy rows
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
-            index = _to_device(random_rows, torch.int64, raw.device)  # [R]
+            index = to_device(random_rows, torch.int64, raw.device)  # [R]
             sampled = _sample(processed[index], raw[index], [rows[i] for i in random_rows])
             tokens = tokens.index_copy(0, index, sampled)
         logprobs = top = None
@@ -117,21 +118,21 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     logits = logits.clone()
     device = logits.device
     if rep_rows:
-        index = _to_device(rep_rows, torch.int64, device)  # [N]
+        index = to_device(rep_rows, torch.int64, device)  # [N]
         seen = _token_counts([[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in rep_rows],
                              vocab_size, device) > 0  # [N, V] bool
-        penalty = _to_device([rows[i].params.repetition_penalty for i in rep_rows], logits.dtype,
+        penalty = to_device([rows[i].params.repetition_penalty for i in rep_rows], logits.dtype,
                              device)[:, None]  # [N, 1]
         sub = logits[index]  # [N, V]
         penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits.index_copy_(0, index, torch.where(seen, penalized, sub))
     if freq_rows:
-        index = _to_device(freq_rows, torch.int64, device)  # [N]
+        index = to_device(freq_rows, torch.int64, device)  # [N]
         counts = _token_counts([rows[i].output_token_ids for i in freq_rows], vocab_size, device)
         counts = counts.to(logits.dtype)  # [N, V] float32
-        freq = _to_device([rows[i].params.frequency_penalty for i in freq_rows], logits.dtype,
+        freq = to_device([rows[i].params.frequency_penalty for i in freq_rows], logits.dtype,
                           device)[:, None]  # [N, 1]
-        presence = _to_device([rows[i].params.presence_penalty for i in freq_rows], logits.dtype,
+        presence = to_device([rows[i].params.presence_penalty for i in freq_rows], logits.dtype,
                               device)[:, None]  # [N, 1]
         sub = logits[index] - freq * counts - presence * (counts > 0).to(logits.dtype)
         logits.index_copy_(0, index, sub)
@@ -143,7 +144,7 @@ def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: tor
     width = max((len(tokens) for tokens in token_lists), default=0)
     # Pad with an extra id (vocab_size) whose column is dropped, so all rows scatter in one call.
     padded = [list(tokens) + [vocab_size] * (width - len(tokens)) for tokens in token_lists]
-    ids = _to_device(padded, torch.int64, device).view(len(token_lists), width)  # [N, L]
+    ids = to_device(padded, torch.int64, device).view(len(token_lists), width)  # [N, L]
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids))
     return counts[:, :vocab_size]
@@ -158,7 +159,7 @@ def _sample(logits: torch.Tensor, raw: torch.Tensor, rows: Sequence[SamplingRow]
     num_rows, vocab_size = logits.shape
     device = logits.device
     params = [row.params for row in rows]
-    temperature = _to_device([p.temperature for p in params], logits.dtype, device)  # [R]
+    temperature = to_device([p.temperature for p in params], logits.dtype, device)  # [R]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
     use_top_p = [p.top_p < 1.0 for p in params]
     if any(top_k) or any(use_top_p):
@@ -168,23 +169,23 @@ def _sample(logits: torch.Tensor, raw: torch.Tensor, rows: Sequence[SamplingRow]
         sorted_logits = sorted_logits / temperature[:, None]
         position = torch.arange(vocab_size, device=device)[None, :]  # [1, V]
         if any(top_k):
-            k = _to_device([k or vocab_size for k in top_k], torch.int64, device)[:, None]  # [R, 1]
+            k = to_device([k or vocab_size for k in top_k], torch.int64, device)[:, None]  # [R, 1]
             sorted_logits = sorted_logits.masked_fill(position >= k, float("-inf"))
         if any(use_top_p):
-            top_p = _to_device([p.top_p for p in params], logits.dtype, device)[:, None]  # [R, 1]
+            top_p = to_device([p.top_p for p in params], logits.dtype, device)[:, None]  # [R, 1]
             sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [R, V]
             mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [R, V]
             # Drop a token once the more likely ones already reach top_p; never the top token, and
             # only in rows that use top_p (rounding in the cumsum must not touch the others).
             drop = (mass_before >= top_p) & (position > 0)
-            drop &= _to_device(use_top_p, torch.bool, device)[:, None]
+            drop &= to_device(use_top_p, torch.bool, device)[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
     else:
         logits = logits / temperature[:, None]
     probs = torch.softmax(logits, dim=-1)  # [R, V] float32
     if any(p.min_p > 0 for p in params):
-        min_p = _to_device([p.min_p for p in params], probs.dtype, device)[:, None]  # [R, 1]
+        min_p = to_device([p.min_p for p in params], probs.dtype, device)[:, None]  # [R, 1]
         # The exponential race needs no renormalisation after dropping tokens.
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     probs = torch.nan_to_num(probs, nan=0.0)
@@ -204,7 +205,7 @@ def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: i
     if len(unseeded) == num_rows:
         q.exponential_()
     elif unseeded:
-        index = _to_device(unseeded, torch.int64, device)
+        index = to_device(unseeded, torch.int64, device)
         noise = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device).exponential_()
         q.index_copy_(0, index, noise)
     for i, row in enumerate(rows):
@@ -212,11 +213,3 @@ def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: i
             q[i] = torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=row.generator)
     # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
-
-
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small per-step tensor from Python data. On CUDA it goes through pinned memory with a
-    non-blocking copy, so building it does not wait for the GPU work queued before it."""
-    if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -15,6 +15,12 @@ from kiln.runtime import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _cuda_engine(tmp_path, **limits):
+    """A tiny random Llama built for CUDA with these build limits."""
+    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
+    return build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", **limits), progress=False)
+
+
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_cuda_engine_matches_cpu_greedy(tmp_path, architecture):
     checkpoint, _ = make_checkpoint(tmp_path / "ckpt", architecture)
@@ -34,9 +40,7 @@ def test_cuda_engine_matches_cpu_greedy(tmp_path, architecture):
 
 
 def test_cuda_engine_refuses_cpu_and_reports_target(tmp_path):
-    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
-    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype="bfloat16",
-                                                                    max_seq_len=64), progress=False)
+    engine = _cuda_engine(tmp_path, dtype="bfloat16", max_seq_len=64)
     from kiln.builder.engine_format import EngineError, load_engine_spec
 
     spec = load_engine_spec(engine)
@@ -49,10 +53,8 @@ def test_cuda_engine_refuses_cpu_and_reports_target(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cuda_graphs_give_the_eager_tokens_under_in_flight_batching(tmp_path, dtype):
-    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
-    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype=dtype, max_batch_size=24,
-                                                                    max_num_tokens=64, max_seq_len=256,
-                                                                    kv_block_size=16), progress=False)
+    engine = _cuda_engine(tmp_path, dtype=dtype, max_batch_size=24, max_num_tokens=64, max_seq_len=256,
+                          kv_block_size=16)
     graphs = LLM(engine, num_kv_blocks=200)
     eager = LLM(engine, num_kv_blocks=200, cuda_graphs=False)
     assert graphs.engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 24]
@@ -69,9 +71,7 @@ def test_cuda_graphs_give_the_eager_tokens_under_in_flight_batching(tmp_path, dt
 
 
 def test_memory_report_and_kv_cache_fraction(tmp_path):
-    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
-    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype="bfloat16",
-                                                                    max_seq_len=128), progress=False)
+    engine = _cuda_engine(tmp_path, dtype="bfloat16", max_seq_len=128)
     big = LLM(engine, kv_cache_memory_fraction=0.2)
     report = big.engine.runner.memory_report
     assert report.weights_bytes > 0 and report.activation_bytes > 0 and report.graph_bytes >= 0

@@ -1,9 +1,9 @@
 """`kiln build`: checkpoint -> engine directory.
 
-load config -> map names -> fuse (qkv, gate_up) -> cast -> write rank0.safetensors (streamed, one
-tensor in memory at a time) -> copy tokenizer -> engine.json with the manifest. The engine is built in a
-temporary directory next to the output and moved into place at the end, so a failed build never leaves
-something that looks like an engine.
+load config -> network on meta (names, shapes, dtypes) -> weight recipes (map names, fuse qkv and gate_up)
+-> cast -> write rank0.safetensors (streamed, one tensor in memory at a time) -> copy tokenizer ->
+engine.json with the manifest. The engine is built in a temporary directory next to the output and moved
+into place at the end, so a failed build never leaves something that looks like an engine.
 """
 
 from __future__ import annotations
@@ -22,13 +22,24 @@ from typing import Any
 import torch
 
 import kiln
-from kiln.model_defs import ModelConfig, ModelDef, model_def_for_hf_config
+from kiln.engine_format import (
+    ENGINE_DTYPES,
+    ENGINE_JSON,
+    EngineBuildConfig,
+    FileEntry,
+    Mapping,
+    file_entry,
+    rank_file_name,
+    write_engine_json,
+)
+from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_hf_config
 from kiln.model_defs.config import token_id_list
+from kiln.model_defs.recipes import consumed_parts
+from kiln.quant.base import QuantConfig
 
-from .build_config import ENGINE_DTYPES, BuildConfig
+from .build_config import BuildConfig
 from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
-from .engine_format import ENGINE_JSON, FileEntry, file_entry, rank_file_name, write_engine_json
 from .safetensors_writer import TensorSpec, write_safetensors_streaming
 from .staging import staged_directory
 
@@ -99,39 +110,42 @@ def target_of(device: str) -> dict[str, Any]:
     return target
 
 
-def param_specs(model_def: ModelDef, config: ModelConfig, dtype: torch.dtype) -> list[TensorSpec]:
-    """Names and shapes of every engine parameter, from the network built on the meta device."""
+def param_specs(model_def: ModelDef, config: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None,
+                mapping: Mapping | None = None) -> list[TensorSpec]:
+    """Name, dtype and shape of every engine tensor, in the network's order, from the network built on
+    the meta device: `dtype` for unquantized tensors, whatever the linear methods declare for the rest."""
     with torch.device("meta"):
-        model = model_def.model_class(config)
-    return [TensorSpec(name, dtype, tuple(t.shape)) for name, t in model.state_dict().items()]
+        model = build_network(model_def, config, quant, mapping, dtype=dtype)
+    return [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()]
 
 
-def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef,
+def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: ModelConfig,
                         specs: list[TensorSpec]) -> Callable[[TensorSpec], torch.Tensor]:
-    """Checks up front that every source tensor exists with the right shape, then returns a function
-    that fuses and casts one engine parameter at a time."""
-    missing = [src for s in specs for src in model_def.sources(s.name) if src not in reader]
+    """Checks up front that every recipe's parts exist and combine to the engine tensor's shape, then
+    returns a function that makes and casts one engine tensor at a time."""
+    recipes = model_def.recipes(config, [s.name for s in specs])
+    missing = [part for s in specs for part in recipes[s.name].parts if part not in reader]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise BuildError(f"checkpoint {reader.checkpoint_dir} lacks tensors the model needs: {shown}")
     for s in specs:
-        shapes = [reader.shape(src) for src in model_def.sources(s.name)]
-        fused = (sum(sh[0] for sh in shapes), *shapes[0][1:]) if shapes[0] else ()
-        if fused != s.shape or any(sh[1:] != shapes[0][1:] for sh in shapes):
+        recipe = recipes[s.name]
+        shapes = [reader.shape(part) for part in recipe.parts]
+        dtypes = [reader.dtype(part) for part in recipe.parts]
+        if recipe.expected_shape(s.name, shapes, dtypes) != s.shape:
             raise BuildError(
-                f"checkpoint tensor(s) {model_def.sources(s.name)} have shapes {shapes}, but config.json implies "
+                f"checkpoint tensor(s) {recipe.parts} have shapes {shapes}, but config.json implies "
                 f"{s.name} of shape {list(s.shape)}; does config.json belong to these weights?"
             )
 
-    used = {src for s in specs for src in model_def.sources(s.name)}
+    used = consumed_parts(recipes[s.name] for s in specs)
     unused = [n for n in reader.names() if n not in used and not n.endswith("rotary_emb.inv_freq")]
     if unused:
         logger.warning("checkpoint has %d tensors the model does not use (config.json may not match the "
                        "weights), e.g. %s", len(unused), ", ".join(unused[:3]))
 
     def produce(spec: TensorSpec) -> torch.Tensor:
-        parts = [reader.get(src).to(spec.dtype) for src in model_def.sources(spec.name)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return recipes[spec.name].make(spec.name, reader.get).to(spec.dtype)
 
     return produce
 
@@ -181,29 +195,26 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     with contextlib.ExitStack() as stack:
         staging = stack.enter_context(staged_directory(output))
         stack.callback(lambda: reader is not None and reader.close())
-        if config.dummy_weights:
-            produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
-        else:
-            try:
+        try:
+            if config.dummy_weights:
+                produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
+                desc = "writing rank0 (dummy)"
+            else:
                 reader = CheckpointReader(checkpoint)
                 # Its up-front checks read shard headers, which fail on a corrupt shard or a wrong index.
-                produce = checkpoint_producer(reader, model_def, specs)
-                written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
-                                                      metadata={"format": "pt", "kiln_rank": "0"},
-                                                      progress=progress, desc="writing rank0")
-            except CheckpointError as e:
-                raise BuildError(str(e)) from e
-        if config.dummy_weights:
+                produce, desc = checkpoint_producer(reader, model_def, model_config, specs), "writing rank0"
             written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
                                                   metadata={"format": "pt", "kiln_rank": "0"},
-                                                  progress=progress, desc="writing rank0 (dummy)")
+                                                  progress=progress, desc=desc)
+        except CheckpointError as e:
+            raise BuildError(str(e)) from e
         files = {rank_file_name(0): FileEntry(written.size, written.sha256), **copy_tokenizer(checkpoint, staging)}
-        build = {"dtype": dtype_name, "max_batch_size": config.max_batch_size,
-                 "max_num_tokens": config.max_num_tokens, "max_seq_len": max_seq_len,
-                 "kv_block_size": config.kv_block_size, "quantization": None, "kv_cache_dtype": dtype_name,
-                 "dummy_weights": config.dummy_weights}
+        build = EngineBuildConfig(dtype=dtype_name, max_batch_size=config.max_batch_size,
+                                  max_num_tokens=config.max_num_tokens, max_seq_len=max_seq_len,
+                                  kv_block_size=config.kv_block_size, kv_cache_dtype=dtype_name, quantization=None,
+                                  dummy_weights=config.dummy_weights)
         write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),
-                          build_config=build, mapping={"tp_size": 1, "num_ranks": 1}, target=target, files=files,
+                          build_config=build.to_dict(), mapping=Mapping().to_dict(), target=target, files=files,
                           kiln_version=kiln.__version__)
     logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,
                 time.perf_counter() - start)

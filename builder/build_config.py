@@ -1,13 +1,12 @@
-"""The settings of one `kiln build`, typed and checked."""
+"""The settings of one `kiln build`, typed and checked (what it writes into engine.json is
+`kiln.engine_format.EngineBuildConfig`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
+from kiln.engine_format import ENGINE_DTYPES
 
-# The dtypes an engine may hold its weights and activations in (engine.json build_config.dtype).
-ENGINE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 DEVICE_CHOICES = ("cpu", "cuda")
 

@@ -2,7 +2,10 @@
 
 from . import llama, qwen2, qwen3  # noqa: F401  (registers the architectures)
 from .config import ModelConfig, ModelConfigError
+from .network import build_network
+from .protocol import CausalLM
+from .recipes import Recipe
 from .registry import ModelDef, get_model_def, model_def_for_hf_config, supported_architectures
 
-__all__ = ["ModelConfig", "ModelConfigError", "ModelDef", "get_model_def", "model_def_for_hf_config",
-           "supported_architectures"]
+__all__ = ["CausalLM", "ModelConfig", "ModelConfigError", "ModelDef", "Recipe", "build_network", "get_model_def",
+           "model_def_for_hf_config", "supported_architectures"]

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from .config import ModelConfig, ModelConfigError
-from .layers.fusion import checkpoint_sources
+from .layers.linear import LinearFactory
+from .layers.mlp import GatedMLP, MLPFactory
+from .recipes import Recipe, fused_recipes
 
 
 @dataclass(frozen=True)
 class ModelDef:
-    """How to build one architecture: parse its config, make its network, find its weights."""
+    """How to build one architecture: parse its config, make its network, find its weights.
+
+    `build_network` calls `model_class(config, linears, mlp)`; the result implements `CausalLM`.
+    """
 
     architecture: str
     parse_config: Callable[[dict[str, Any]], ModelConfig]
-    model_class: Callable[[ModelConfig], nn.Module]
-    # kiln parameter name -> checkpoint tensor names concatenated along dim 0.
-    sources: Callable[[str], tuple[str, ...]] = checkpoint_sources
+    model_class: Callable[[ModelConfig, LinearFactory, MLPFactory], nn.Module]
+    # Each decoder layer's MLP block; an MoE architecture supplies its expert block here.
+    mlp: MLPFactory = GatedMLP
+    # (config, engine tensor names) -> how each engine tensor is made from checkpoint tensors.
+    recipes: Callable[[ModelConfig, Iterable[str]], dict[str, Recipe]] = fused_recipes
 
 
 _REGISTRY: dict[str, ModelDef] = {}

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kiln import __version__
-from kiln.builder.engine_format import (
+from kiln.builder.safetensors_writer import TensorSpec, write_safetensors_streaming
+from kiln.engine_format import (
     ENGINE_FORMAT_VERSION,
     ENGINE_JSON,
     EngineError,
@@ -15,7 +16,6 @@ from kiln.builder.engine_format import (
     load_engine_spec,
     write_engine_json,
 )
-from kiln.builder.safetensors_writer import TensorSpec, write_safetensors_streaming
 
 MODEL_CONFIG = {"hidden_size": 8, "num_hidden_layers": 1, "vocab_size": 16}
 BUILD_CONFIG = {

@@ -2,6 +2,8 @@
 
 from .context import ForwardContext
 from .decoder import DecoderForCausalLM
-from .fusion import checkpoint_sources
+from .linear import Linear, LinearFactory, LinearMethod, TensorDecl, UnquantizedLinear
+from .mlp import GatedMLP, MLPFactory
 
-__all__ = ["DecoderForCausalLM", "ForwardContext", "checkpoint_sources"]
+__all__ = ["DecoderForCausalLM", "ForwardContext", "GatedMLP", "Linear", "LinearFactory", "LinearMethod",
+           "MLPFactory", "TensorDecl", "UnquantizedLinear"]

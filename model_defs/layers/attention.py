@@ -9,11 +9,12 @@ from kiln.plugins import paged_attention, rotary_embedding_and_write_kv
 
 from ..config import ModelConfig
 from .context import ForwardContext
+from .linear import LinearFactory
 from .norm import RMSNorm
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = config.num_heads
@@ -23,11 +24,12 @@ class Attention(nn.Module):
         self.sliding_window = config.layer_sliding_windows[layer_index]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)  # [q; k; v] rows
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = linears.column(f"{prefix}.qkv_proj", config.hidden_size, self.split_sizes,
+                                       config.qkv_bias)  # [q; k; v] rows
+        self.o_proj = linears.row(f"{prefix}.o_proj", q_size, config.hidden_size, config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
         else:
             self.q_norm = self.k_norm = None
 

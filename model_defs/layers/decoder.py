@@ -1,7 +1,9 @@
 """The Llama-family decoder: the one network behind every model file (Llama, Mistral, Qwen2, Qwen3).
 
 Parameter names follow Hugging Face's module tree, except that q/k/v and gate/up projections are fused
-(`qkv_proj`, `gate_up_proj`); `fusion.py` says which checkpoint tensors each fused one is made of.
+(`qkv_proj`, `gate_up_proj`); `model_defs/recipes.py` says which checkpoint tensors each one is made of.
+Every linear comes from the LinearFactory and the MLP block from the model def's MLP factory, so
+quantization, sharding and MoE change what those return, not this file.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import Attention
 from .context import ForwardContext
-from .mlp import GatedMLP
+from .linear import LinearFactory
+from .mlp import GatedMLP, MLPFactory
 from .norm import RMSNorm
 from .rotary import RotaryTables
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, mlp: MLPFactory,
+                 prefix: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        eps, dtype = config.rms_norm_eps, linears.dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = Attention(config, layer_index, linears, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = mlp(config, layer_index, linears, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,29 +43,40 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linears: LinearFactory, mlp: MLPFactory, prefix: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=linears.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, linears, mlp, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype)
 
 
 class DecoderForCausalLM(nn.Module):
-    """input_ids: [T] (packed tokens of many sequences) -> hidden states [T, H]; logits on demand."""
+    """input_ids: [T] (packed tokens of many sequences) -> hidden states [T, H]; logits on demand.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Implements `model_defs.protocol.CausalLM`; build it with `build_network`.
+    """
+
+    def __init__(self, config: ModelConfig, linears: LinearFactory | None = None,
+                 mlp: MLPFactory = GatedMLP) -> None:
         super().__init__()
+        linears = linears or LinearFactory()
         self.config = config
-        self.model = DecoderBody(config)
+        self.model = DecoderBody(config, linears, mlp, "model")
         # Tied models read the embedding matrix; the engine stores it once.
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = linears.lm_head("lm_head", config.hidden_size, config.vocab_size, tied_to)
         self.rotary: RotaryTables | None = None
 
     def setup_rotary(self, max_positions: int, device: torch.device | str) -> None:
         """Builds the rotary tables on the runtime device; call once after loading weights."""
         c = self.config
         self.rotary = RotaryTables(c.rope, c.head_dim, c.max_position_embeddings, max_positions, device)
+
+    def needs_per_length_rope(self, max_rope_length: int) -> bool:
+        """Whether a step whose longest rope length is this needs per-length rope tables (dynamic NTK past
+        the trained context), which CUDA graphs cannot capture. False before setup_rotary."""
+        return self.rotary is not None and self.rotary.needs_per_length_tables(max_rope_length)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.rotary is None:
@@ -75,5 +91,4 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits: [N, V] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()

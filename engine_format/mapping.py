@@ -1,0 +1,46 @@
+"""How an engine's weights are split over ranks (plain Python, no torch).
+
+One rank per tensor-parallel shard today; pipeline stages would multiply `num_ranks` later. The builder
+writes `Mapping.to_dict()` into engine.json; the runtime reads it back once with `Mapping.from_dict`, and
+each rank's network is built with its own `tp_rank`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """`tp_size` ranks each hold 1/tp_size of every sharded layer; `tp_rank` is the one this process runs."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size={self.tp_size!r} must be a positive integer")
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank!r} must be in [0, tp_size={self.tp_size})")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp_size
+
+    def for_rank(self, rank: int) -> Mapping:
+        """The same mapping as seen by `rank`."""
+        return replace(self, tp_rank=rank)
+
+    def to_dict(self) -> dict[str, int]:
+        """engine.json's `mapping` (no rank: the file describes all of them)."""
+        return {"tp_size": self.tp_size, "num_ranks": self.num_ranks}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Mapping:
+        """engine.json's `mapping`; raises ValueError naming the key at fault."""
+        tp_size = d.get("tp_size")
+        mapping = cls(tp_size=tp_size)  # validates tp_size
+        if d.get("num_ranks") != mapping.num_ranks:
+            raise ValueError(f"num_ranks={d.get('num_ranks')!r} must equal tp_size={tp_size}")
+        return mapping

@@ -1,0 +1,183 @@
+"""Linear layers that hold a *linear method*: which tensors the layer stores, and how it computes x @ W^T.
+
+The idea is vLLM's "quant method". A model file asks a `LinearFactory` for each linear by what tensor
+parallelism would do with it (`column`, `row`, `replicated`, `lm_head`) and never sees the method, so
+quantized methods (from `kiln.quant`) and column/row-parallel layers plug in here without touching a
+model file. Today every layer is unsharded and, unless a QuantConfig says otherwise, unquantized.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from kiln.engine_format.mapping import Mapping
+    from kiln.quant.base import QuantConfig
+
+Parallelism = Literal["column", "row", "replicated"]
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """One tensor a linear method stores on its layer; it becomes an engine tensor `<prefix>.<name>`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class LinearMethod(ABC):
+    """How one linear layer stores its weights and computes its product.
+
+    A method is a small immutable object; the layer holds it and the tensors it declared.
+    """
+
+    @abstractmethod
+    def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
+        """The tensors the layer needs, by attribute name, in the order they are stored."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] -> [T, out_features], in x's dtype."""
+
+    def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        """Registers the declared tensors on `layer` as parameters, uninitialized, on the current default
+        device (meta when the builder only wants names, shapes and dtypes)."""
+        for name, decl in self.tensors(in_features, out_features, bias).items():
+            tensor = torch.empty(decl.shape, dtype=decl.dtype)
+            # Integer tensors (packed quantized weights) cannot require grad.
+            layer.register_parameter(name, nn.Parameter(tensor, requires_grad=decl.dtype.is_floating_point))
+
+
+@dataclass(frozen=True)
+class UnquantizedLinear(LinearMethod):
+    """weight: [out, in] and optional bias: [out], both in `dtype`; the product is F.linear."""
+
+    dtype: torch.dtype = torch.float32
+
+    def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
+        decls = {"weight": TensorDecl((out_features, in_features), self.dtype)}
+        if bias:
+            decls["bias"] = TensorDecl((out_features,), self.dtype)
+        return decls
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]; a layer without a bias has no `bias` attribute.
+        return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+
+class Linear(nn.Module):
+    """A linear layer whose tensors and product are its method's.
+
+    `output_sizes` are the row counts of the parts a fused layer is made of ([q; k; v], [gate; up]), which
+    a sharder or a per-part scale needs; `parallel` is how tensor parallelism splits it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod, *,
+                 prefix: str = "", output_sizes: tuple[int, ...] | None = None,
+                 parallel: Parallelism = "replicated") -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.output_sizes = output_sizes or (out_features,)
+        if sum(self.output_sizes) != out_features:
+            raise ValueError(f"{prefix}: output_sizes {self.output_sizes} do not add up to {out_features}")
+        self.prefix = prefix
+        self.parallel = parallel
+        self.method = method
+        method.create(self, in_features, out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)  # x: [T, in] -> [T, out]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, {self.parallel}, method={self.method}"
+
+
+class TiedLinear(nn.Module):
+    """A linear layer that computes with another module's `weight` (a tied lm_head reads the embedding).
+
+    It registers no parameters, so the engine stores the matrix once, under the owner's name.
+    """
+
+    def __init__(self, owner: nn.Module, method: LinearMethod) -> None:
+        super().__init__()
+        # In a tuple so that nn.Module does not register the owner a second time (state_dict would list
+        # its weight again); the weight is read through it at call time, so loading with assign=True works.
+        self._owner = (owner,)
+        self.method = method
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._owner[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)  # x: [T, in] -> [T, out]
+
+
+@dataclass(frozen=True)
+class LinearFactory:
+    """Makes every linear layer of one network, for one precision, quantization and rank.
+
+    `dtype` is the dtype of every unquantized floating tensor (the network's norms and embeddings too).
+    Layers are named by their module path (`prefix`, e.g. "model.layers.0.self_attn.qkv_proj"), which is
+    how a QuantConfig picks a method per layer. Tensor parallelism will return column/row-parallel Linear
+    kinds from `column` and `row`; until then a mapping with tp_size > 1 is refused.
+    """
+
+    quant: QuantConfig | None = None
+    mapping: Mapping | None = None
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.mapping is None else self.mapping.tp_size
+
+    def method(self, prefix: str, in_features: int, out_features: int) -> LinearMethod:
+        """The quantization config's method for this layer, or unquantized when there is none."""
+        chosen = None if self.quant is None else self.quant.linear_method(prefix, in_features, out_features,
+                                                                          self.dtype)
+        return chosen if chosen is not None else UnquantizedLinear(self.dtype)
+
+    def column(self, prefix: str, in_features: int, output_sizes: int | Sequence[int],
+               bias: bool = False) -> Linear:
+        """Output features split over ranks (qkv_proj, gate_up_proj). A fused layer gives its parts' sizes,
+        e.g. (q_size, kv_size, kv_size): each rank holds its share of every part."""
+        sizes = (output_sizes,) if isinstance(output_sizes, int) else tuple(output_sizes)
+        self._refuse_sharding(prefix, "column")
+        out_features = sum(sizes)
+        return Linear(in_features, out_features, bias, self.method(prefix, in_features, out_features),
+                      prefix=prefix, output_sizes=sizes, parallel="column")
+
+    def row(self, prefix: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
+        """Input features split over ranks (o_proj, down_proj); the partial outputs are summed."""
+        self._refuse_sharding(prefix, "row")
+        return Linear(in_features, out_features, bias, self.method(prefix, in_features, out_features),
+                      prefix=prefix, parallel="row")
+
+    def replicated(self, prefix: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
+        """The whole layer on every rank (small layers, e.g. an MoE router)."""
+        return Linear(in_features, out_features, bias, self.method(prefix, in_features, out_features),
+                      prefix=prefix, parallel="replicated")
+
+    def lm_head(self, prefix: str, hidden_size: int, vocab_size: int,
+                tied_to: nn.Module | None = None) -> nn.Module:
+        """hidden [N, H] -> logits [N, V]. Tied to an embedding it reuses that module's weight [V, H],
+        stored once and unquantized, like the embedding itself."""
+        if tied_to is None:
+            return self.column(prefix, hidden_size, vocab_size)
+        self._refuse_sharding(prefix, "vocab")
+        return TiedLinear(tied_to, UnquantizedLinear(self.dtype))
+
+    def _refuse_sharding(self, prefix: str, kind: str) -> None:
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"tensor parallelism (tp_size={self.tp_size}) is not implemented yet: {prefix} would need a "
+                f"{kind}-parallel linear"
+            )

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     from kiln.builder.build import BuildError
-    from kiln.builder.engine_format import EngineError
+    from kiln.engine_format import EngineError
 
     try:
         return args.run(args)

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from .engine import LLMEngine, Prompt
-from .engine_loader import load_engine
+from .engine import Prompt
+from .engine_factory import create_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -27,8 +27,7 @@ logger = logging.getLogger("kiln.runtime")
 
 class AsyncLLM:
     def __init__(self, engine_dir: str | Path, **load_kwargs: Any) -> None:
-        loaded, runtime = load_engine(engine_dir, **load_kwargs)
-        self.engine = LLMEngine(loaded, runtime)
+        self.engine = create_engine(engine_dir, **load_kwargs)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (its event loop, its output queue); touched only by the engine thread
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -123,9 +123,11 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Registers the request's blocks that `num_computed_tokens` has completely filled."""
+        """Registers the request's blocks that `num_computed_tokens` has completely filled. `token_ids` are
+        the request's accepted tokens; a computed position past them (a draft) is never hashed."""
         if not self.enable_prefix_caching:
             return
+        num_computed_tokens = min(num_computed_tokens, len(token_ids))
         table = self._tables.get(request_id, [])
         hashes = self._hashes.setdefault(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table))

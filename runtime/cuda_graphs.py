@@ -17,9 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
+from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
+
+from .kv_cache import LayerCache
+from .scheduler import SchedulerOutput
+from .step_inputs import rope_length, slot_of
 
 # A padding row of the int buffers (input_ids, positions, rope_lengths, slot_mapping): it writes nothing.
 _PADDING_ROW = np.array([[0], [0], [1], [-1]], dtype=np.int64)
@@ -46,10 +50,29 @@ class DecodeBatch:
         return len(self.input_ids)
 
 
+def decode_batch(step: SchedulerOutput, block_size: int, model: CausalLM,
+                 prompt_logprob_targets: dict[str, list[int]]) -> DecodeBatch | None:
+    """The step as a DecodeBatch when a captured graph can run it: one token computed and sampled per
+    request, no prompt logprobs, and rope tables that need no per-length work; else None."""
+    ids, positions, rope_lengths, slots, tables = [], [], [], [], []
+    for r in step.requests:
+        if len(r.token_ids) != 1 or r.num_sampled != 1 or r.request_id in prompt_logprob_targets:
+            return None
+        p = r.start_position
+        ids.append(r.token_ids[0])
+        positions.append(p)
+        rope_lengths.append(rope_length(p, r.num_prompt_tokens))
+        slots.append(slot_of(r.block_ids, p, block_size))
+        tables.append(r.block_ids)
+    if model.needs_per_length_rope(max(rope_lengths)):
+        return None
+    return DecodeBatch(ids, positions, rope_lengths, slots, tables)
+
+
 class DecodeGraphs:
     """Captured decode steps for `capture_sizes(max_batch_size)`; `run` replays the one that fits."""
 
-    def __init__(self, model: nn.Module, kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...], *,
+    def __init__(self, model: CausalLM, kv_caches: tuple[LayerCache, ...], *,
                  max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.model = model
         self.sizes = capture_sizes(max_batch_size)

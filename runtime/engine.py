@@ -15,13 +15,16 @@ import torch
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .engine_loader import LoadedEngine, RuntimeConfig
-from .model_runner import ModelRunner, RunnerLimits
+from .engine_loader import EngineInfo, RuntimeConfig
+from .executor import Executor
+from .memory import MemoryReport
+from .model_step import StepInput
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampler import DeviceSample, Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from .token_mask import TokenMasker
 
 Prompt = str | Sequence[int]
 
@@ -36,31 +39,47 @@ class _Tracked:
     top_logprobs: list[dict[int, float]] | None = None
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A step whose tokens are not read back yet."""
+
+    schedule: SchedulerOutput
+    request_ids: tuple[str, ...]  # the scheduled requests, in schedule order
+    logits_offsets: tuple[int, ...]  # request i's sampled rows: [offsets[i], offsets[i + 1])
+    sample: DeviceSample | None  # the sampled tokens, still on the device
+
+
 class LLMEngine:
-    def __init__(self, loaded: LoadedEngine, runtime: RuntimeConfig) -> None:
-        self.loaded = loaded
-        self.model_config = loaded.model_config
-        self.tokenizer = loaded.tokenizer
-        limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
-                              max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
-                              num_kv_blocks=runtime.num_kv_blocks,
-                              kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
-                              cuda_graphs=runtime.cuda_graphs)
-        self.runner = ModelRunner(loaded.model, loaded.model_config, device=runtime.device, dtype=runtime.dtype,
-                                  limits=limits)
-        self.runtime = runtime = dataclasses.replace(runtime, num_kv_blocks=self.runner.num_kv_blocks)
+    """Schedules, samples and detokenizes; the network runs behind `executor` (built by engine_factory)."""
+
+    def __init__(self, info: EngineInfo, runtime: RuntimeConfig, executor: Executor) -> None:
+        self.info = info
+        self.model_config = info.model_config
+        self.tokenizer = info.tokenizer
+        self.executor = executor
+        self.runtime = runtime = dataclasses.replace(runtime, num_kv_blocks=executor.num_kv_blocks)
         self.block_manager = BlockManager(runtime.num_kv_blocks, runtime.block_size, runtime.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens),
                                    self.block_manager)
         self.sampler = Sampler()
-        self.eos_token_ids = frozenset(loaded.model_config.eos_token_ids)
+        # The sampler's token-mask stage (guided decoding sets it); None: every token may be sampled.
+        self.token_masker: TokenMasker | None = None
+        self.eos_token_ids = frozenset(info.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        # The launched step whose tokens are not read back yet: (schedule, sampled request ids, tokens on device).
-        self._inflight: tuple[SchedulerOutput, tuple[str, ...], DeviceSample | None] | None = None
-        # Tokens read back but not yet turned into text: (request, token, whether the token adds text).
-        self._pending: list[tuple[_Tracked, int, bool]] = []
+        self._inflight: _Launched | None = None
+        # Tokens read back but not yet turned into text: (request, token, its index among the request's
+        # output tokens, whether the token adds text).
+        self._pending: list[tuple[_Tracked, int, int, bool]] = []
         self.num_preemptions = 0
+
+    @property
+    def memory_report(self) -> MemoryReport:
+        return self.executor.memory_report
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        return self.executor.graph_capture_seconds
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -128,11 +147,12 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        for item in [item for item in self._pending if item[0] is tracked]:  # its last token's text
+        for item in [item for item in self._pending if item[0] is tracked]:  # its last tokens' text
             self._pending.remove(item)
-            if item[2]:
+            if item[3]:
                 tracked.detokenizer.add_token(item[1])
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._release(request_id)
         return self._output(tracked)
 
     def has_unfinished(self) -> bool:
@@ -151,63 +171,102 @@ class LLMEngine:
         """
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
-            self._complete(*inflight)
+            self._complete(inflight)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_ids)
         if not scheduled.is_empty:
             self._inflight = self._launch(scheduled)
         pending, self._pending = self._pending, []
-        return [self._emit(*item) for item in pending]
+        outputs = (self._emit(*item) for item in pending)
+        return [out for out in outputs if out is not None]
 
-    def _launch(self, scheduled: SchedulerOutput) -> tuple[SchedulerOutput, tuple[str, ...], DeviceSample | None]:
-        prompts = {r.request_id: self._tracked[r.request_id].request.prompt_token_ids
+    def _launch(self, scheduled: SchedulerOutput) -> _Launched:
+        targets = {r.request_id: self._tracked[r.request_id].request.prompt_token_ids
                    for r in scheduled.requests if self._tracked[r.request_id].prompt_logprobs is not None}
-        result = self.runner.execute(scheduled, prompts)
+        result = self.executor.execute(StepInput(scheduled, targets))
         for request_id, (first, values) in result.prompt_logprobs.items():
             self._tracked[request_id].prompt_logprobs[first + 1:first + 1 + len(values)] = values
+        row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
         sample = None
-        if result.sample_ids:
-            rows = [self._sampling_row(self._tracked[rid]) for rid in result.sample_ids]
-            sample = self.sampler.sample(result.logits, rows)
-        return scheduled, result.sample_ids, sample
+        if row_ids:
+            rows = [self._sampling_row(self._tracked[rid]) for rid in row_ids]
+            mask = None
+            if self.token_masker is not None:
+                mask = self.token_masker.token_mask(row_ids, rows, result.logits.shape[1], result.logits.device)
+            sample = self.sampler.sample(result.logits, rows, mask)
+        return _Launched(scheduled, result.request_ids, result.logits_offsets, sample)
 
-    def _complete(self, scheduled: SchedulerOutput, sample_ids: tuple[str, ...], sample: DeviceSample | None) -> None:
+    def _complete(self, launched: _Launched) -> None:
         """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
-        token id or their length; their text is left for _emit."""
-        out = sample.to_host() if sample is not None else None
-        sampled = dict(zip(sample_ids, out.token_ids)) if out is not None else {}
-        self.scheduler.update_after_step(scheduled, sampled)
-        for i, (request_id, token) in enumerate(sampled.items()):
+        token id or their length, checking token by token; their text is left for _emit."""
+        out = launched.sample.to_host() if launched.sample is not None else None
+        accepted: dict[str, list[int]] = {}
+        rows_of: dict[str, range] = {}
+        endings: dict[str, tuple[RequestStatus, bool]] = {}
+        for i, request_id in enumerate(launched.request_ids):
+            rows = range(launched.logits_offsets[i], launched.logits_offsets[i + 1])
             tracked = self._tracked.get(request_id)
-            if tracked is None:  # ended while the step ran (aborted, or a stop string found by _emit)
+            if not rows or tracked is None:  # nothing sampled, or ended while the step ran
                 continue
-            if tracked.logprobs is not None:
-                tracked.logprobs.append(out.logprobs[i])
-            if tracked.top_logprobs is not None:
-                tracked.top_logprobs.append(dict(out.top_logprobs[i]))
-            request, params = tracked.request, tracked.request.sampling_params
-            status = None
-            # EOS and stop token ids end the request without adding their text.
-            ends_without_text = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-            if ends_without_text:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.runtime.max_seq_len:
-                status = RequestStatus.FINISHED_LENGTH
+            # One token per sampled row today; a draft verifier will accept a prefix of them here.
+            tokens = [out.token_ids[j] for j in rows]
+            accepted[request_id], ending = self._cut_at_end(tracked.request, tokens)
+            rows_of[request_id] = rows
+            if ending is not None:
+                endings[request_id] = ending
+        self.scheduler.update_after_step(launched.schedule, accepted)
+        for request_id, tokens in accepted.items():
+            tracked = self._tracked[request_id]
+            if self.token_masker is not None:
+                self.token_masker.accept(request_id, tokens)
+            first = len(tracked.request.output_token_ids) - len(tokens)
+            status, last_adds_text = endings.get(request_id, (None, True))
+            for k, (token, row) in enumerate(zip(tokens, rows_of[request_id])):
+                if tracked.logprobs is not None:
+                    tracked.logprobs.append(out.logprobs[row])
+                if tracked.top_logprobs is not None:
+                    tracked.top_logprobs.append(dict(out.top_logprobs[row]))
+                adds_text = last_adds_text or k < len(tokens) - 1
+                self._pending.append((tracked, token, first + k, adds_text))
             if status is not None:
                 self.scheduler.finish_request(request_id, status)
                 del self._tracked[request_id]
-            self._pending.append((tracked, token, not ends_without_text))
+                self._release(request_id)
 
-    def _emit(self, tracked: _Tracked, token: int, add_text: bool) -> RequestOutput:
-        """Adds a token's text (ending the request if it completes a stop string) and builds the update."""
+    def _cut_at_end(self, request: Request, tokens: list[int]) -> tuple[list[int], tuple[RequestStatus, bool] | None]:
+        """`tokens` up to the first that ends the request, and (how it ends, whether that token adds text)."""
+        params = request.sampling_params
+        for k, token in enumerate(tokens):
+            # EOS and stop token ids end the request without adding their text.
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                return tokens[:k + 1], (RequestStatus.FINISHED_STOPPED, False)
+            num_output = len(request.output_token_ids) + k + 1
+            if num_output >= params.max_tokens or request.num_tokens + k + 1 >= self.runtime.max_seq_len:
+                return tokens[:k + 1], (RequestStatus.FINISHED_LENGTH, True)
+        return tokens, None
+
+    def _emit(self, tracked: _Tracked, token: int, index: int, add_text: bool) -> RequestOutput | None:
+        """Adds a token's text (ending the request if it completes a stop string) and builds the update;
+        None for a token after a stop string that ended its request within the same step."""
+        request = tracked.request
+        if index >= len(request.output_token_ids):
+            return None
         if add_text and tracked.detokenizer.add_token(token) is not None:
-            request = tracked.request
+            # Tokens sampled after the stop string in the same step are dropped.
+            for values in (request.output_token_ids, tracked.logprobs, tracked.top_logprobs):
+                if values is not None:
+                    del values[index + 1:]
             if request.status.finished:  # ended by its length with this very token: the stop string wins
                 request.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 del self._tracked[request.request_id]
+                self._release(request.request_id)
         return self._output(tracked)
+
+    def _release(self, request_id: str) -> None:
+        if self.token_masker is not None:
+            self.token_masker.release(request_id)
 
     def _sampling_row(self, tracked: _Tracked) -> SamplingRow:
         r = tracked.request

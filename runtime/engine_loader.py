@@ -1,4 +1,8 @@
-"""Loading an engine directory: checks it, resolves runtime limits, builds the model on its device."""
+"""Loading an engine directory: checks it, resolves runtime limits, builds one rank's network on its device.
+
+Split in three so that an executor with several ranks can load the shared part once (`load_engine_info`:
+engine.json, the typed configs, the tokenizer) and each rank its own weights (`load_network`).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
-from kiln.builder.build_config import ENGINE_DTYPES
-from kiln.builder.engine_format import EngineError, EngineSpec, load_engine_spec
-from kiln.model_defs import ModelConfig, ModelConfigError, get_model_def
+from kiln.engine_format import EngineConfig, EngineError, EngineSpec, load_engine_spec, read_engine_config
+from kiln.model_defs import CausalLM, ModelConfig, ModelConfigError, ModelDef, build_network, get_model_def
 
 from .memory import check_fraction
 
@@ -26,23 +28,58 @@ class RuntimeConfig:
     """The limits the runtime runs with: the engine's build limits or smaller ones given at load."""
 
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations and unquantized weights
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
     block_size: int
-    num_kv_blocks: int | None  # None until the model runner has sized the cache from memory
+    num_kv_blocks: int | None  # None until the executor has sized the cache from memory
     enable_prefix_caching: bool
     kv_cache_memory_fraction: float = 0.9  # share of the memory left after weights and activations
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (on CUDA)
+    kv_cache_dtype: torch.dtype | None = None  # the KV cache's own dtype; None = `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclass(frozen=True)
-class LoadedEngine:
+class EngineInfo:
+    """What every process of an engine needs, without weights: engine.json read once, typed."""
+
     spec: EngineSpec
+    model_def: ModelDef
     model_config: ModelConfig
-    model: nn.Module
+    config: EngineConfig  # build_config and mapping
     tokenizer: object | None  # a transformers tokenizer, or None for an engine without tokenizer files
+
+
+@dataclass(frozen=True)
+class LoadedEngine(EngineInfo):
+    """An engine with rank 0's network loaded in this process."""
+
+    model: CausalLM | None = None
+
+
+def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = False) -> EngineInfo:
+    """Reads and checks engine.json, the manifest and the tokenizer; raises EngineError saying what to do."""
+    spec = load_engine_spec(engine_dir, verify_checksums=verify_checksums)
+    try:
+        model_def = get_model_def(spec.architecture)
+        model_config = ModelConfig.from_dict(spec.model_config)
+    except (ModelConfigError, TypeError, KeyError) as e:
+        raise EngineError(f"engine.json model_config is invalid: {e}; rebuild the engine") from e
+    config = read_engine_config(spec)
+    tokenizer = None
+    if spec.tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(spec.tokenizer_dir))
+        # kiln checks lengths itself (against max_seq_len, with a clear error); transformers' own warning
+        # about model_max_length would only be noise, e.g. for perplexity over a long text in windows.
+        tokenizer.model_max_length = sys.maxsize
+    return EngineInfo(spec, model_def, model_config, config, tokenizer)
 
 
 def _override(name: str, value: int | None, built: int, flag: str) -> int:
@@ -76,57 +113,51 @@ def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch
     return dev
 
 
-def load_engine(engine_dir: str | Path, *, device: str | torch.device | None = None,
-                max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
-                kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
-                verify_checksums: bool = False) -> tuple[LoadedEngine, RuntimeConfig]:
-    """Checks and loads an engine directory; every failure is an EngineError or ValueError saying what to do."""
-    start = time.perf_counter()
-    spec = load_engine_spec(engine_dir, verify_checksums=verify_checksums)
-    try:
-        model_def = get_model_def(spec.architecture)
-        config = ModelConfig.from_dict(spec.model_config)
-    except (ModelConfigError, TypeError, KeyError) as e:
-        raise EngineError(f"engine.json model_config is invalid: {e}; rebuild the engine") from e
-    build = spec.build_config
-    dtype_name = build.get("dtype")
-    if dtype_name not in ENGINE_DTYPES:
-        raise EngineError(f"engine.json build_config.dtype={dtype_name!r} is not one of {sorted(ENGINE_DTYPES)}")
-    dtype = ENGINE_DTYPES[dtype_name]
-    dev = resolve_device(spec, device)
-
-    max_seq_len = int(build["max_seq_len"])
-    block_size = int(build["kv_block_size"])
-    batch = _override("max_batch_size", max_batch_size, int(build["max_batch_size"]), "--max-batch-size")
-    tokens = _override("max_num_tokens", max_num_tokens, int(build["max_num_tokens"]), "--max-num-tokens")
+def resolve_runtime(info: EngineInfo, *, device: str | torch.device | None = None,
+                    max_batch_size: int | None = None, max_num_tokens: int | None = None,
+                    num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                    kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True) -> RuntimeConfig:
+    """The runtime's limits: the engine's, or lower ones asked for; a ValueError names the one too high."""
+    build = info.config.build
     blocks = None if num_kv_blocks is None else _override("num_kv_blocks", num_kv_blocks, 2**31 - 1, "")
-    fraction = check_fraction(kv_cache_memory_fraction)
+    return RuntimeConfig(
+        device=resolve_device(info.spec, device), dtype=build.torch_dtype,
+        max_batch_size=_override("max_batch_size", max_batch_size, build.max_batch_size, "--max-batch-size"),
+        max_num_tokens=_override("max_num_tokens", max_num_tokens, build.max_num_tokens, "--max-num-tokens"),
+        max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=blocks,
+        enable_prefix_caching=enable_prefix_caching,
+        kv_cache_memory_fraction=check_fraction(kv_cache_memory_fraction), cuda_graphs=bool(cuda_graphs),
+        kv_cache_dtype=build.kv_cache_torch_dtype)
 
+
+def load_network(info: EngineInfo, device: torch.device, rank: int = 0) -> CausalLM:
+    """Rank `rank`'s network with its weights on `device`, built by the same `build_network` as the builder."""
+    path = info.spec.rank_file(rank)
+    if info.config.build.quantization is not None:
+        raise EngineError(f"engine {info.spec.engine_dir} holds quantized weights "
+                          f"({info.config.build.quantization}), which this kiln cannot run; upgrade kiln")
     with torch.device("meta"):
-        model = model_def.model_class(config)
+        model = build_network(info.model_def, info.model_config, None, info.config.mapping.for_rank(rank),
+                              dtype=info.config.build.torch_dtype)
     try:
-        weights = load_file(str(spec.rank_file(0)), device=str(dev))
+        weights = load_file(str(path), device=str(device))
     except Exception as e:  # safetensors raises its own error types
-        raise EngineError(f"cannot read {spec.rank_file(0)}: {e}; rebuild the engine") from e
+        raise EngineError(f"cannot read {path}: {e}; rebuild the engine") from e
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as e:
-        raise EngineError(f"{spec.rank_file(0)} does not fit the model in engine.json: {e}") from e
-    model.eval()
+        raise EngineError(f"{path} does not fit the model in engine.json: {e}") from e
+    return model.eval()
 
-    tokenizer = None
-    if spec.tokenizer_dir is not None:
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(spec.tokenizer_dir))
-        # kiln checks lengths itself (against max_seq_len, with a clear error); transformers' own warning
-        # about model_max_length would only be noise, e.g. for perplexity over a long text in windows.
-        tokenizer.model_max_length = sys.maxsize
-    logger.info("loaded engine %s (%s, %s, %s) in %.2fs", spec.engine_dir, spec.architecture, dtype_name, dev,
-                time.perf_counter() - start)
-    runtime = RuntimeConfig(device=dev, dtype=dtype, max_batch_size=batch, max_num_tokens=tokens,
-                            max_seq_len=max_seq_len, block_size=block_size, num_kv_blocks=blocks,
-                            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_fraction=fraction,
-                            cuda_graphs=bool(cuda_graphs))
-    return LoadedEngine(spec, config, model, tokenizer), runtime
+def load_engine(engine_dir: str | Path, *, verify_checksums: bool = False,
+                **runtime_options) -> tuple[LoadedEngine, RuntimeConfig]:
+    """Checks and loads an engine directory with rank 0's weights in this process; every failure is an
+    EngineError or ValueError saying what to do. `runtime_options` are `resolve_runtime`'s."""
+    start = time.perf_counter()
+    info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
+    runtime = resolve_runtime(info, **runtime_options)
+    model = load_network(info, runtime.device)
+    logger.info("loaded engine %s (%s, %s, %s) in %.2fs", info.spec.engine_dir, info.spec.architecture,
+                info.config.build.dtype, runtime.device, time.perf_counter() - start)
+    return LoadedEngine(**vars(info), model=model), runtime

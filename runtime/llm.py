@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .engine import LLMEngine, Prompt
-from .engine_loader import load_engine
+from .engine import Prompt
+from .engine_factory import create_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -48,12 +48,11 @@ class LLM:
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
                  verify_checksums: bool = False) -> None:
-        loaded, runtime = load_engine(engine_dir, device=device, max_batch_size=max_batch_size,
-                                      max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
-                                      enable_prefix_caching=enable_prefix_caching,
-                                      kv_cache_memory_fraction=kv_cache_memory_fraction, cuda_graphs=cuda_graphs,
-                                      verify_checksums=verify_checksums)
-        self.engine = LLMEngine(loaded, runtime)
+        self.engine = create_engine(engine_dir, device=device, max_batch_size=max_batch_size,
+                                    max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
+                                    enable_prefix_caching=enable_prefix_caching,
+                                    kv_cache_memory_fraction=kv_cache_memory_fraction, cuda_graphs=cuda_graphs,
+                                    verify_checksums=verify_checksums)
         self._aborted: list[RequestOutput] = []  # final outputs of abort() calls, for stream() to yield
         self._streamed: set[str] = set()  # requests some stream() is iterating over
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.builder.engine_format import EngineError
+from kiln.engine_format import EngineError
 
 GIB = 2**30
 
@@ -85,6 +85,18 @@ def cuda_kv_blocks(device: torch.device, bytes_per_block: int, fraction: float, 
             f"one sequence of max_seq_len {max_seq_len} needs: raise --kv-cache-memory-fraction, lower "
             f"--max-num-tokens (activations), or rebuild with a smaller --max-seq-len")
     return blocks
+
+
+def plan_kv_blocks(device: torch.device, bytes_per_block: int, requested: int | None, *, fraction: float,
+                   activation_bytes: int, weights_bytes: int, max_batch_size: int, max_seq_len: int,
+                   block_size: int) -> int:
+    """How many KV blocks to allocate: `requested` when given, else what the memory on `device` allows."""
+    if requested is not None:
+        return requested
+    if device.type == "cuda":
+        return cuda_kv_blocks(device, bytes_per_block, fraction, activation_bytes, weights_bytes, block_size,
+                              max_seq_len)
+    return cpu_kv_blocks(bytes_per_block, fraction, max_batch_size, max_seq_len, block_size)
 
 
 def out_of_memory(stage: str, fraction: float) -> EngineError:

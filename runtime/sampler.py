@@ -69,26 +69,42 @@ class Sampler:
     """Picks the next token of every row of a batch of logits.
 
     Order: logprobs from the raw logits; repetition, frequency and presence penalties (greedy rows
-    too); argmax for greedy rows; for the others temperature, top_k, top_p, min_p, then one draw.
-    All math is batched over rows with per-row parameter tensors; a stage no row uses is skipped.
+    too); the token mask, when given (guided decoding); argmax for greedy rows; for the others
+    temperature, top_k, top_p, min_p, then one draw. All math is batched over rows with per-row parameter
+    tensors; a stage no row uses is skipped.
     """
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 token_mask: torch.Tensor | None = None) -> SamplerOutput:
         """Samples and reads the result back."""
-        return self.sample(logits, rows).to_host()
+        return self.sample(logits, rows, token_mask).to_host()
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
-        """Queues the sampling of every row on the logits' device; nothing waits for the GPU."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_mask: torch.Tensor | None = None) -> DeviceSample:
+        """Queues the sampling of every row on the logits' device; nothing waits for the GPU.
+
+        token_mask: [B, V] bool on the logits' device, True where a row may pick the token (V is the
+        model's vocabulary, the logits' width). Every choice respects it, the fallback for a row whose
+        distribution is empty included; each row must allow at least one token. Logprobs stay those of
+        the model's own distribution.
+        """
         # logits: [B, V] float32, raw model logits, one row per entry of `rows`
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         raw = logits.float()
         processed = apply_penalties(raw, rows)  # [B, V] float32, a new tensor if any penalty applies
+        fallback = raw  # what a row with an empty distribution falls back to (its argmax)
+        if token_mask is not None:
+            if token_mask.shape != raw.shape or token_mask.dtype != torch.bool:
+                raise ValueError(f"token_mask must be bool of the logits' shape {tuple(raw.shape)}, got "
+                                 f"{token_mask.dtype} {tuple(token_mask.shape)}")
+            processed = processed.masked_fill(~token_mask, float("-inf"))
+            fallback = raw.masked_fill(~token_mask, float("-inf"))
         tokens = processed.argmax(dim=-1)  # [B] int64; final for greedy rows
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = to_device(random_rows, torch.int64, raw.device)  # [R]
-            sampled = _sample(processed[index], raw[index], [rows[i] for i in random_rows])
+            sampled = _sample(processed[index], fallback[index], [rows[i] for i in random_rows])
             tokens = tokens.index_copy(0, index, sampled)
         logprobs = top = None
         counts = tuple(row.params.top_logprobs for row in rows)
@@ -150,11 +166,11 @@ def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: tor
     return counts[:, :vocab_size]
 
 
-def _sample(logits: torch.Tensor, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, fallback: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then one exponential-race draw per row.
 
-    logits: [R, V] float32 after penalties; raw: [R, V] float32 raw logits (the fallback for a row
-    whose processed distribution is empty or NaN). Returns [R] int64 token ids.
+    logits: [R, V] float32 after penalties (and the token mask); fallback: [R, V] float32 raw logits, masked
+    like `logits` (whose argmax a row with an empty or NaN distribution takes). Returns [R] int64 token ids.
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -193,7 +209,7 @@ def _sample(logits: torch.Tensor, raw: torch.Tensor, rows: Sequence[SamplingRow]
     # argmax(p / q) with q ~ Exp(1) picks token i with probability p_i / sum(p).
     tokens = (probs / q).argmax(dim=-1)  # [R] int64
     empty = ~(probs.sum(dim=-1) > 0)  # [R] bool: all zero (or NaN before nan_to_num)
-    return torch.where(empty, raw.argmax(dim=-1), tokens)
+    return torch.where(empty, fallback.argmax(dim=-1), tokens)
 
 
 def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int,

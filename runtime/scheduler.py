@@ -13,6 +13,7 @@ queue, to be recomputed (its generated tokens are kept and re-fed), so no reques
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .block_manager import BlockManager, CachedPrefix
@@ -38,7 +39,13 @@ class ScheduledRequest:
     start_position: int  # position of token_ids[0] (= tokens already in the cache)
     block_ids: tuple[int, ...]  # the request's whole block table
     num_prompt_tokens: int
-    sample: bool  # this step reaches the end of the known tokens: sample the next one
+    # How many of this step's last positions are sampled: 1 when the step reaches the end of the known
+    # tokens, 0 for a prefill chunk that does not. A step verifying k draft tokens samples k + 1.
+    num_sampled: int
+
+    @property
+    def sample(self) -> bool:
+        return self.num_sampled > 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ class Scheduler:
             start_position=start,
             block_ids=self.blocks.block_table(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens,
-            sample=start + num_new == request.num_tokens,
+            num_sampled=1 if start + num_new == request.num_tokens else 0,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -157,17 +164,23 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_after_step(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advances each scheduled request past the tokens it computed and appends its sampled token."""
+    def update_after_step(self, output: SchedulerOutput, accepted: Mapping[str, Sequence[int]]) -> None:
+        """Advances each scheduled request past the tokens it computed and appends its accepted tokens.
+
+        `accepted` maps a request to the tokens it keeps from its sampled positions, in order (one today;
+        with draft tokens, the drafts that matched and one more). Sampled positions whose tokens were
+        not accepted are rolled back: their KV is recomputed later, and the prefix cache only ever hashes
+        accepted tokens.
+        """
         for item in output.requests:
             request = self._requests.get(item.request_id)
             if request is None:  # finished (aborted) while the step ran
                 continue
+            tokens = accepted.get(item.request_id, ())
+            rejected = max(0, item.num_sampled - len(tokens))
             before = request.num_computed_tokens
-            request.num_computed_tokens += len(item.token_ids)
+            request.num_computed_tokens += len(item.token_ids) - rejected
+            request.output_token_ids.extend(tokens)
             if request.num_computed_tokens // self.blocks.block_size > before // self.blocks.block_size:
                 self.blocks.cache_full_blocks(request.request_id, request.all_token_ids,
                                               request.num_computed_tokens)
-            token = sampled.get(item.request_id)
-            if token is not None:
-                request.output_token_ids.append(token)

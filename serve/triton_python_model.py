@@ -21,7 +21,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kiln.builder.engine_format import load_engine_spec
+from kiln.engine_format import load_engine_spec
 from kiln.runtime.outputs import RequestOutput
 from kiln.serve.errors import InvalidRequest
 from kiln.serve.triton_engine_loop import EngineLoop
@@ -87,13 +87,11 @@ def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int
     weights are loaded and one step's activations measured (TensorRT-LLM's meaning, kiln's
     --kv-cache-memory-fraction). On the CPU the cache holds max_batch_size sequences of max_seq_len, within
     that share of available host memory."""
-    from kiln.runtime.engine import LLMEngine
-    from kiln.runtime.engine_loader import load_engine
+    from kiln.runtime.engine_factory import create_engine
 
-    loaded, runtime = load_engine(params.engine_dir, device=device, max_batch_size=max_batch_size,
-                                  enable_prefix_caching=params.enable_kv_cache_reuse,
-                                  kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction)
-    return LLMEngine(loaded, runtime)
+    return create_engine(params.engine_dir, device=device, max_batch_size=max_batch_size,
+                         enable_prefix_caching=params.enable_kv_cache_reuse,
+                         kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction)
 
 
 def error_response(message: str, code: str):

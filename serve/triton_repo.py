@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.builder.engine_format import load_engine_spec
 from kiln.builder.staging import staged_directory
+from kiln.engine_format import load_engine_spec
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
 MODEL_SOURCE = Path(__file__).with_name("triton_python_model.py")

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from model_factory import make_engine
 
-from kiln.builder.engine_format import EngineError
+from kiln.engine_format import EngineError
 from kiln.runtime import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

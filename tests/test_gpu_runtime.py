@@ -41,7 +41,7 @@ def test_cuda_engine_matches_cpu_greedy(tmp_path, architecture):
 
 def test_cuda_engine_refuses_cpu_and_reports_target(tmp_path):
     engine = _cuda_engine(tmp_path, dtype="bfloat16", max_seq_len=64)
-    from kiln.builder.engine_format import EngineError, load_engine_spec
+    from kiln.engine_format import EngineError, load_engine_spec
 
     spec = load_engine_spec(engine)
     assert spec.target["compute_capability"] == list(torch.cuda.get_device_capability())
@@ -57,8 +57,8 @@ def test_cuda_graphs_give_the_eager_tokens_under_in_flight_batching(tmp_path, dt
                           kv_block_size=16)
     graphs = LLM(engine, num_kv_blocks=200)
     eager = LLM(engine, num_kv_blocks=200, cuda_graphs=False)
-    assert graphs.engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 24]
-    assert eager.engine.runner.graphs is None
+    assert graphs.engine.executor.runner.graphs.sizes == [1, 2, 4, 8, 16, 24]
+    assert eager.engine.executor.runner.graphs is None
     # 19 requests of different lengths: decode batches of many sizes, padded to the captured ones.
     prompts = [[(7 * i + n) % 390 + 2 for i in range(n)] for n in range(3, 60, 3)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -73,20 +73,20 @@ def test_cuda_graphs_give_the_eager_tokens_under_in_flight_batching(tmp_path, dt
 def test_memory_report_and_kv_cache_fraction(tmp_path):
     engine = _cuda_engine(tmp_path, dtype="bfloat16", max_seq_len=128)
     big = LLM(engine, kv_cache_memory_fraction=0.2)
-    report = big.engine.runner.memory_report
+    report = big.engine.memory_report
     assert report.weights_bytes > 0 and report.activation_bytes > 0 and report.graph_bytes >= 0
     assert report.kv_cache_bytes > 0 and report.sequences_at_max_len == report.num_kv_blocks // 8
-    assert big.engine.runner.graph_capture_seconds > 0
+    assert big.engine.graph_capture_seconds > 0
     blocks = report.num_kv_blocks
     del big
     gc.collect()
     torch.cuda.empty_cache()
     small = LLM(engine, kv_cache_memory_fraction=0.1)
-    assert 0.4 < small.engine.runner.num_kv_blocks / blocks < 0.6
+    assert 0.4 < small.engine.runtime.num_kv_blocks / blocks < 0.6
     del small
     gc.collect()
     torch.cuda.empty_cache()
-    from kiln.builder.engine_format import EngineError
+    from kiln.engine_format import EngineError
 
     with pytest.raises(EngineError, match="raise --kv-cache-memory-fraction"):
         LLM(engine, kv_cache_memory_fraction=1e-9)

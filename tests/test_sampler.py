@@ -204,3 +204,47 @@ def test_empty_batch_and_shape_check():
 def test_logprob_is_finite_for_sampled_token():
     out = sampler(random_logits(1, 10, seed=9, device="cpu"), [row(SamplingParams(logprobs=True))])
     assert math.isfinite(out.logprobs[0]) and out.logprobs[0] <= 0
+
+
+# -- the token-mask stage (guided decoding plugs in here) -----------------------------------------------
+
+
+def _mask(batch: int, vocab: int, allowed: list[list[int]]) -> torch.Tensor:
+    mask = torch.zeros(batch, vocab, dtype=torch.bool)  # [B, V]
+    for i, ids in enumerate(allowed):
+        mask[i, ids] = True
+    return mask
+
+
+def test_token_mask_restricts_greedy_and_random_rows():
+    logits = random_logits(4, 97, seed=3, device="cpu")
+    allowed = [[5, 7], [11], [2, 3, 50], [96]]
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=1.0, seed=1)),
+            row(SamplingParams(temperature=2.0, top_p=0.5, top_k=10, seed=2)),
+            row(SamplingParams(temperature=1.0, repetition_penalty=1.5, seed=3), prompt=[96])]
+    for _ in range(20):
+        out = sampler(logits, rows, _mask(4, 97, allowed))
+        assert all(token in ids for token, ids in zip(out.token_ids, allowed))
+    assert out.token_ids[0] == max(allowed[0], key=lambda t: logits[0, t].item())
+
+
+def test_token_mask_is_respected_by_the_empty_distribution_fallback():
+    logits = random_logits(2, 31, seed=4, device="cpu")
+    # min_p=1 keeps only the single best token of the processed distribution; a NaN row empties it all.
+    logits[1] = float("nan")
+    rows = [row(SamplingParams(temperature=1.0, min_p=1.0, seed=5)), row(SamplingParams(temperature=1.0, seed=6))]
+    out = sampler(logits, rows, _mask(2, 31, [[0, 1], [9]]))
+    assert out.token_ids[0] in (0, 1) and out.token_ids[1] == 9
+
+
+def test_token_mask_leaves_logprobs_of_the_model_distribution():
+    logits = random_logits(1, 31, seed=5, device="cpu")
+    out = sampler(logits, [row(SamplingParams(temperature=0.0, logprobs=True))], _mask(1, 31, [[4]]))
+    assert out.token_ids == [4]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[4].item())
+
+
+def test_token_mask_of_the_wrong_width_is_refused():
+    with pytest.raises(ValueError, match="token_mask"):
+        sampler(random_logits(1, 31, seed=6, device="cpu"), [row(SamplingParams(temperature=0.0))],
+                torch.ones(1, 30, dtype=torch.bool))

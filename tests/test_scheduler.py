@@ -77,7 +77,7 @@ class Sim:
         sampled = self.run_model(out)
         for request_id in abort_during:  # the step was already running when these were aborted
             self.abort(request_id)
-        self.sched.update_after_step(out, sampled)
+        self.sched.update_after_step(out, {rid: [token] for rid, token in sampled.items()})
         for request_id in sampled:
             request = self.sched.get(request_id)
             if request is not None and len(request.output_token_ids) >= request.sampling_params.max_tokens:

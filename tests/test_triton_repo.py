@@ -15,7 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.cli import main
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.engine import LLMEngine
+from kiln.runtime.engine_factory import engine_from_loaded
 from kiln.runtime.engine_loader import load_engine
 from kiln.serve.triton_engine_loop import EngineLoop
 from kiln.serve.triton_repo import MODEL_SOURCE
@@ -317,7 +317,7 @@ def three_block_engine(tiny_code_engine):
 
 @pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
 def test_batch_scheduler_policy(three_block_engine, references, policy):
-    engine = LLMEngine(*three_block_engine)  # the loaded weights, a KV cache of its own
+    engine = engine_from_loaded(*three_block_engine)  # the loaded weights, a KV cache of its own
     loop = EngineLoop(engine, policy)
     params = SamplingParams(max_tokens=16, temperature=0)  # 10 prompt tokens + 16: 2 blocks each, 4 for both
     first, second = RecordingSink(), RecordingSink()

@@ -90,7 +90,7 @@ def run_offline(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(args.engine, **runtime_kwargs(args))
     startup = time.perf_counter() - start
-    runner, runtime = llm.engine.runner, llm.engine.runtime
+    engine, runtime = llm.engine, llm.engine.runtime
     results = run_latency(llm, spec) if args.bench_kind == "latency" else run_throughput(llm, spec)
     device = runtime.device
     summary = {
@@ -98,13 +98,13 @@ def run_offline(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(runtime.dtype).removeprefix("torch."), "max_batch_size": runtime.max_batch_size,
         "max_num_tokens": runtime.max_num_tokens, "num_kv_blocks": runtime.num_kv_blocks,
-        "startup_s": startup, "graph_capture_s": runner.graph_capture_seconds,
-        "memory": dataclasses.asdict(runner.memory_report), **results,
+        "startup_s": startup, "graph_capture_s": engine.graph_capture_seconds,
+        "memory": dataclasses.asdict(engine.memory_report), **results,
     }
     rows = [("benchmark", f"{args.bench_kind} on {summary['device']} ({summary['dtype']})"),
             ("input / output tokens", f"{spec.input_len} / {spec.output_len}"),
             ("startup (load to ready) s", f"{startup:.2f}"),
-            ("CUDA graph capture s", f"{runner.graph_capture_seconds:.2f}")]
+            ("CUDA graph capture s", f"{engine.graph_capture_seconds:.2f}")]
     if args.bench_kind == "latency":
         rows += [("time to first token ms", f"{results['ttft_ms']:.2f}"),
                  ("decode tokens/s", f"{results['decode_tokens_per_s']:.1f}"),

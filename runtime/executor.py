@@ -1,0 +1,54 @@
+"""The executor seam: what the engine core calls to run the network, wherever the network lives.
+
+The engine schedules, samples and detokenizes; an executor only turns a plain-data `StepInput` into
+logits. `LocalExecutor` runs one rank in this process (today's only kind); a tensor-parallel executor
+will start one worker per rank, broadcast each StepInput from rank 0 and return rank 0's logits, behind
+the same three members.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kiln.model_defs import CausalLM
+
+from .engine_loader import RuntimeConfig
+from .memory import MemoryReport
+from .model_runner import ModelRunner, RunnerLimits
+from .model_step import StepInput, StepResult
+
+
+class Executor(Protocol):
+    num_kv_blocks: int  # KV blocks each rank holds (the block manager manages this many)
+    memory_report: MemoryReport  # where rank 0's device memory went at startup
+    graph_capture_seconds: float
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Runs one step on every rank; logits come back on rank 0's device."""
+        ...
+
+    def shutdown(self) -> None:
+        """Releases the ranks (workers, process groups); the executor is unusable afterwards."""
+        ...
+
+
+class LocalExecutor:
+    """One rank in this process: a ModelRunner over an already loaded network."""
+
+    def __init__(self, model: CausalLM, runtime: RuntimeConfig) -> None:
+        limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
+                              max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
+                              num_kv_blocks=runtime.num_kv_blocks,
+                              kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
+                              cuda_graphs=runtime.cuda_graphs)
+        self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype, limits=limits)
+        # Fixed once the runner has started.
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self.memory_report = self.runner.memory_report
+        self.graph_capture_seconds = self.runner.graph_capture_seconds
+
+    def execute(self, step: StepInput) -> StepResult:
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        pass

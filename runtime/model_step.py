@@ -1,0 +1,37 @@
+"""What crosses the executor boundary: a plain-data step in, logits out.
+
+`StepInput` is what rank 0 would send to every other rank of a tensor-parallel engine (plain Python, no
+tensors); `StepResult` is what the engine samples from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepInput:
+    schedule: SchedulerOutput
+    # request id -> its prompt token ids, for the requests that asked for prompt logprobs (the targets
+    # that this step's prompt positions predict).
+    prompt_logprob_targets: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    logits: torch.Tensor  # [R, V] float32: the sampled positions of every request, in schedule order
+    request_ids: tuple[str, ...]  # the scheduled requests, in schedule order
+    # Request i's sampled rows are logits[logits_offsets[i]:logits_offsets[i + 1]] (none for a prefill
+    # chunk that does not reach the end of its prompt); the last entry is R.
+    logits_offsets: tuple[int, ...]
+    # request id -> (first prompt position p, logprobs of prompt[p+1], prompt[p+2], ...) for requests that
+    # asked for prompt logprobs and computed prompt tokens this step.
+    prompt_logprobs: dict[str, tuple[int, list[float]]] = field(default_factory=dict)
+
+    def rows_of(self, index: int) -> range:
+        """The logits rows of the `index`-th scheduled request."""
+        return range(self.logits_offsets[index], self.logits_offsets[index + 1])

@@ -1,0 +1,31 @@
+"""The sampler's token-mask stage: which tokens each sampled row may pick (guided decoding plugs in here).
+
+The engine asks its `TokenMasker`, when it has one, for a mask before every sampling pass; the sampler
+applies it after penalties and before any choice (see `Sampler.sample`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from .sampler import SamplingRow
+
+
+class TokenMasker(Protocol):
+    def token_mask(self, request_ids: Sequence[str], rows: Sequence[SamplingRow], vocab_size: int,
+                   device: torch.device) -> torch.Tensor | None:
+        """[len(rows), vocab_size] bool on `device`, True where row i (of request `request_ids[i]`) may pick
+        the token; None when no row is constrained this step. `vocab_size` is the model's (the logits'
+        width), which may exceed the tokenizer's."""
+        ...
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Advances the request's constraint past the tokens it accepted this step."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forgets a request that has finished or was aborted."""
+        ...

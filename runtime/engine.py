@@ -186,7 +186,10 @@ class LLMEngine:
         result = self.executor.execute(StepInput(scheduled, targets))
         for request_id, (first, values) in result.prompt_logprobs.items():
             self._tracked[request_id].prompt_logprobs[first + 1:first + 1 + len(values)] = values
-        row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
+        if result.logits_offsets[-1] == len(result.request_ids) == len(result.logits_offsets) - 1:
+            row_ids = list(result.request_ids)  # one row each: a decode batch, the common case
+        else:
+            row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
         sample = None
         if row_ids:
             rows = [self._sampling_row(self._tracked[rid]) for rid in row_ids]
@@ -198,52 +201,49 @@ class LLMEngine:
 
     def _complete(self, launched: _Launched) -> None:
         """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
-        token id or their length, checking token by token; their text is left for _emit."""
+        token id or their length, checking token by token; their text is left for _emit. One pass per
+        request: this runs between the GPU's steps, for every request in the batch."""
         out = launched.sample.to_host() if launched.sample is not None else None
+        offsets = launched.logits_offsets
+        eos, max_seq_len = self.eos_token_ids, self.runtime.max_seq_len
         accepted: dict[str, list[int]] = {}
-        rows_of: dict[str, range] = {}
-        endings: dict[str, tuple[RequestStatus, bool]] = {}
+        endings: list[tuple[str, RequestStatus]] = []
         for i, request_id in enumerate(launched.request_ids):
-            rows = range(launched.logits_offsets[i], launched.logits_offsets[i + 1])
+            first_row, end_row = offsets[i], offsets[i + 1]
             tracked = self._tracked.get(request_id)
-            if not rows or tracked is None:  # nothing sampled, or ended while the step ran
+            if first_row == end_row or tracked is None:  # nothing sampled, or ended while the step ran
                 continue
+            request = tracked.request
+            params = request.sampling_params
+            num_output, num_tokens = len(request.output_token_ids), request.num_tokens
             # One token per sampled row today; a draft verifier will accept a prefix of them here.
-            tokens = [out.token_ids[j] for j in rows]
-            accepted[request_id], ending = self._cut_at_end(tracked.request, tokens)
-            rows_of[request_id] = rows
-            if ending is not None:
-                endings[request_id] = ending
-        self.scheduler.update_after_step(launched.schedule, accepted)
-        for request_id, tokens in accepted.items():
-            tracked = self._tracked[request_id]
-            if self.token_masker is not None:
-                self.token_masker.accept(request_id, tokens)
-            first = len(tracked.request.output_token_ids) - len(tokens)
-            status, last_adds_text = endings.get(request_id, (None, True))
-            for k, (token, row) in enumerate(zip(tokens, rows_of[request_id])):
+            status, last_adds_text, kept = None, True, end_row - first_row
+            for n, token in enumerate(out.token_ids[first_row:end_row], start=1):
+                # EOS and stop token ids end the request without adding their text.
+                if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                    status, last_adds_text = RequestStatus.FINISHED_STOPPED, False
+                elif num_output + n >= params.max_tokens or num_tokens + n >= max_seq_len:
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    kept = n
+                    break
+            tokens = accepted[request_id] = out.token_ids[first_row:first_row + kept]
+            for k, token in enumerate(tokens):
                 if tracked.logprobs is not None:
-                    tracked.logprobs.append(out.logprobs[row])
+                    tracked.logprobs.append(out.logprobs[first_row + k])
                 if tracked.top_logprobs is not None:
-                    tracked.top_logprobs.append(dict(out.top_logprobs[row]))
-                adds_text = last_adds_text or k < len(tokens) - 1
-                self._pending.append((tracked, token, first + k, adds_text))
+                    tracked.top_logprobs.append(dict(out.top_logprobs[first_row + k]))
+                self._pending.append((tracked, token, num_output + k, last_adds_text or k < kept - 1))
             if status is not None:
-                self.scheduler.finish_request(request_id, status)
-                del self._tracked[request_id]
-                self._release(request_id)
-
-    def _cut_at_end(self, request: Request, tokens: list[int]) -> tuple[list[int], tuple[RequestStatus, bool] | None]:
-        """`tokens` up to the first that ends the request, and (how it ends, whether that token adds text)."""
-        params = request.sampling_params
-        for k, token in enumerate(tokens):
-            # EOS and stop token ids end the request without adding their text.
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                return tokens[:k + 1], (RequestStatus.FINISHED_STOPPED, False)
-            num_output = len(request.output_token_ids) + k + 1
-            if num_output >= params.max_tokens or request.num_tokens + k + 1 >= self.runtime.max_seq_len:
-                return tokens[:k + 1], (RequestStatus.FINISHED_LENGTH, True)
-        return tokens, None
+                endings.append((request_id, status))
+        self.scheduler.update_after_step(launched.schedule, accepted)
+        if self.token_masker is not None:
+            for request_id, tokens in accepted.items():
+                self.token_masker.accept(request_id, tokens)
+        for request_id, status in endings:
+            self.scheduler.finish_request(request_id, status)
+            del self._tracked[request_id]
+            self._release(request_id)
 
     def _emit(self, tracked: _Tracked, token: int, index: int, add_text: bool) -> RequestOutput | None:
         """Adds a token's text (ending the request if it completes a stop string) and builds the update;

@@ -32,6 +32,7 @@ from kiln.engine_format import (
     rank_file_name,
     write_engine_json,
 )
+from kiln.engine_format.ownership import engine_manifest_paths, foreign_entries
 from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_hf_config
 from kiln.model_defs.config import token_id_list
 from kiln.model_defs.recipes import consumed_parts
@@ -164,10 +165,23 @@ def copy_tokenizer(checkpoint: Path, engine: Path) -> dict[str, FileEntry]:
 
 
 def _check_output(output: Path) -> None:
+    """Refuses an output that is not a directory, or a non-empty directory other than a kiln engine: a
+    build replaces the whole output, and must never delete someone's files because one is named engine.json."""
     if output.exists() and not output.is_dir():
         raise BuildError(f"output {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not (output / ENGINE_JSON).exists():
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    if not (output / ENGINE_JSON).exists():
         raise BuildError(f"output {output} is a non-empty directory that is not an engine; choose another")
+    try:
+        foreign = foreign_entries(output, engine_manifest_paths(output))
+    except ValueError as e:
+        raise BuildError(f"output {output} has an {ENGINE_JSON} that is not a kiln engine's ({e}); choose another "
+                         f"--output") from None
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise BuildError(f"output {output} holds files that are not part of a kiln engine ({shown}); choose another "
+                         f"--output or remove them")
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: BuildConfig | None = None,
@@ -193,7 +207,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     _check_output(output)
     reader: CheckpointReader | None = None
     with contextlib.ExitStack() as stack:
-        staging = stack.enter_context(staged_directory(output))
+        staging = stack.enter_context(staged_directory(output, check_replace=_check_output))
         stack.callback(lambda: reader is not None and reader.close())
         try:
             if config.dummy_weights:

@@ -4,23 +4,44 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
 @contextmanager
-def staged_directory(target: Path) -> Iterator[Path]:
-    """Yields an empty directory beside `target` to fill. On success it replaces `target` (removed first);
-    on any failure it is removed. Either way `target` is never left half-written."""
+def staged_directory(target: Path, check_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """Yields an empty directory beside `target` to fill. On success it replaces `target`; on any failure it
+    is removed. Either way `target` is never left half-written.
+
+    `check_replace(target)` runs just before an existing `target` is replaced and may raise to keep it:
+    checked then, not only before the work starts, because someone may put files there in the meantime.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; a server may run as another user
         yield staging
         if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+            if check_replace is not None:
+                check_replace(target)
+            _replace(target, staging)
+        else:
+            staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _replace(target: Path, staging: Path) -> None:
+    # The old directory is moved aside before the new one moves in, and deleted only after: a crash in
+    # between leaves the old one beside the target instead of neither.
+    old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.old")
+    target.rename(old)
+    try:
+        staging.rename(target)
+    except BaseException:
+        old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

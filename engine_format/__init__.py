@@ -1,11 +1,15 @@
 """The engine directory format, shared by the builder (which writes it) and the runtime (which reads it).
 
-`spec` reads and writes engine.json, `manifest` checks the files it lists, `config` types its
-build_config and `mapping` its rank layout. The runtime imports this package, never the builder.
+`spec` reads and writes engine.json, `manifest` parses the files it lists and `verify` checks them
+(sizes, and sha256 trusted through `stamps` once matched), `config` types its build_config and `mapping`
+its rank layout, `json_fields` checks a JSON object against the dataclass it becomes, and `ownership`
+says whether a directory is an engine that a build may replace. The runtime imports this package, never
+the builder.
 """
 
 from .config import ENGINE_DTYPES, EngineBuildConfig, EngineConfig, read_engine_config
 from .errors import EngineError
+from .json_fields import check_json_fields
 from .manifest import ENGINE_JSON, FileEntry, file_entry
 from .mapping import Mapping
 from .spec import (
@@ -18,5 +22,5 @@ from .spec import (
 )
 
 __all__ = ["ENGINE_DTYPES", "ENGINE_FORMAT_VERSION", "ENGINE_JSON", "TOKENIZER_DIR", "EngineBuildConfig",
-           "EngineConfig", "EngineError", "EngineSpec", "FileEntry", "Mapping", "file_entry", "load_engine_spec",
-           "rank_file_name", "read_engine_config", "write_engine_json"]
+           "EngineConfig", "EngineError", "EngineSpec", "FileEntry", "Mapping", "check_json_fields", "file_entry",
+           "load_engine_spec", "rank_file_name", "read_engine_config", "write_engine_json"]

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EngineError
-from .manifest import ENGINE_JSON, FileEntry, check_files, check_manifest_path, parse_manifest
+from .manifest import ENGINE_JSON, FileEntry, check_manifest_path, parse_manifest
+from .verify import check_files
 
 ENGINE_FORMAT_VERSION = 1
 TOKENIZER_DIR = "tokenizer"
@@ -123,6 +124,7 @@ def write_engine_json(
     target_path = engine_dir / ENGINE_JSON
     fd, tmp_name = tempfile.mkstemp(prefix=ENGINE_JSON + ".", suffix=".tmp", dir=engine_dir)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; a server may run as another user than the build
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text + "\n")
             f.flush()
@@ -134,11 +136,13 @@ def write_engine_json(
     return target_path
 
 
-def load_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = False) -> EngineSpec:
-    """Read and validate engine.json and check every manifest file's size (and sha256 if asked).
+def load_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = True) -> EngineSpec:
+    """Read and validate engine.json and check every manifest file's size and, unless `verify_checksums`
+    is False, its sha256.
 
-    Raises EngineError naming what is wrong and what to do about it. Hashing is off by default
-    because reading many GB of weights twice would dominate startup time.
+    Raises EngineError naming what is wrong and what to do about it. A file whose hash matched is
+    stamped outside the engine (`stamps`) and not hashed again while it is unchanged, so only the first
+    load of an engine version pays for reading its weights twice.
     """
     engine_dir = Path(engine_dir)
     hint = _REBUILD_HINT.format(engine_dir=engine_dir)

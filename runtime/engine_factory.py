@@ -31,7 +31,7 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig) -> Executor:
     return LocalExecutor(load_network(info, runtime.device), runtime)
 
 
-def create_engine(engine_dir: str | Path, *, verify_checksums: bool = False, **runtime_options) -> LLMEngine:
+def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True, **runtime_options) -> LLMEngine:
     """Loads an engine directory and assembles its engine core. `runtime_options` are those of
     `engine_loader.resolve_runtime` (device, lower limits, KV-cache size, CUDA graphs); every failure is an
     EngineError or ValueError naming what to change."""

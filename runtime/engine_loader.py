@@ -6,6 +6,7 @@ engine.json, the typed configs, the tokenizer) and each rank its own weights (`l
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -15,7 +16,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kiln.engine_format import EngineConfig, EngineError, EngineSpec, load_engine_spec, read_engine_config
+from kiln.engine_format import (
+    ENGINE_JSON,
+    EngineConfig,
+    EngineError,
+    EngineSpec,
+    check_json_fields,
+    load_engine_spec,
+    read_engine_config,
+)
 from kiln.model_defs import CausalLM, ModelConfig, ModelConfigError, ModelDef, build_network, get_model_def
 
 from .memory import check_fraction
@@ -62,24 +71,71 @@ class LoadedEngine(EngineInfo):
     model: CausalLM | None = None
 
 
-def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = False) -> EngineInfo:
-    """Reads and checks engine.json, the manifest and the tokenizer; raises EngineError saying what to do."""
+def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True) -> EngineInfo:
+    """Reads and checks engine.json, the manifest and the tokenizer; raises EngineError saying what to do.
+
+    With `verify_checksums` (the default) every file's sha256 is checked against the manifest, hashing
+    only files that changed since they last matched; False checks sizes only."""
     spec = load_engine_spec(engine_dir, verify_checksums=verify_checksums)
+    hint = f"rebuild the engine with `kiln build --checkpoint ... --output {spec.engine_dir}`"
     try:
         model_def = get_model_def(spec.architecture)
-        model_config = ModelConfig.from_dict(spec.model_config)
-    except (ModelConfigError, TypeError, KeyError) as e:
-        raise EngineError(f"engine.json model_config is invalid: {e}; rebuild the engine") from e
+    except ModelConfigError as e:
+        raise EngineError(f"{spec.engine_dir / ENGINE_JSON}: architecture: {e}; upgrade kiln or {hint}") from None
+    model_config = _read_model_config(spec, hint)
     config = read_engine_config(spec)
-    tokenizer = None
-    if spec.tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(spec.tokenizer_dir))
-        # kiln checks lengths itself (against max_seq_len, with a clear error); transformers' own warning
-        # about model_max_length would only be noise, e.g. for perplexity over a long text in windows.
-        tokenizer.model_max_length = sys.maxsize
+    tokenizer = None if spec.tokenizer_dir is None else _load_tokenizer(spec.tokenizer_dir, hint)
     return EngineInfo(spec, model_def, model_config, config, tokenizer)
+
+
+def _read_model_config(spec: EngineSpec, hint: str) -> ModelConfig:
+    # Types are checked before ModelConfig is made: its own checks assume them ("abc" <= 0 is a TypeError).
+    try:
+        check_json_fields(ModelConfig, spec.model_config)
+        return ModelConfig.from_dict(spec.model_config)
+    except (ValueError, TypeError, KeyError) as e:  # ModelConfigError is a ValueError
+        raise EngineError(f"{spec.engine_dir / ENGINE_JSON}: model_config: {_one_line(e)}; {hint}") from None
+
+
+def _load_tokenizer(tokenizer_dir: Path, hint: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except Exception as e:  # transformers and tokenizers raise anything from KeyError to their own types
+        raise EngineError(f"cannot load the tokenizer in {tokenizer_dir}: {_tokenizer_culprit(tokenizer_dir, e)}; "
+                          f"{hint}") from e
+    # kiln checks lengths itself (against max_seq_len, with a clear error); transformers' own warning
+    # about model_max_length would only be noise, e.g. for perplexity over a long text in windows.
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
+
+
+def _tokenizer_culprit(tokenizer_dir: Path, error: Exception) -> str:
+    """Which file made loading the tokenizer fail, and why. transformers' own error often names neither
+    (a damaged tokenizer.json surfaces as KeyError: 'added_tokens'), so the files are read again here."""
+    names = sorted((p.name for p in tokenizer_dir.glob("*.json")), key=lambda n: (n != "tokenizer.json", n))
+    for name in names:
+        try:
+            json.loads((tokenizer_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{name} is not valid JSON: {_one_line(e)}"
+    if "tokenizer.json" in names:
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own Exception subclass
+            return f"tokenizer.json is not a valid tokenizer: {_one_line(e)}"
+    return _one_line(error)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line of at most 300 characters, with its type when the message alone is a bare key."""
+    text = " ".join(str(error).split())
+    if isinstance(error, KeyError) or not text:
+        text = f"{type(error).__name__}: {text}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _override(name: str, value: int | None, built: int, flag: str) -> int:
@@ -150,7 +206,7 @@ def load_network(info: EngineInfo, device: torch.device, rank: int = 0) -> Causa
     return model.eval()
 
 
-def load_engine(engine_dir: str | Path, *, verify_checksums: bool = False,
+def load_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
                 **runtime_options) -> tuple[LoadedEngine, RuntimeConfig]:
     """Checks and loads an engine directory with rank 0's weights in this process; every failure is an
     EngineError or ValueError saying what to do. `runtime_options` are `resolve_runtime`'s."""

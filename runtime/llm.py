@@ -41,13 +41,17 @@ class LLM:
     defaults to `kv_cache_memory_fraction` of the memory left after the weights and one step's activations
     (on the CPU: up to max_batch_size sequences of max_seq_len). On CUDA, decode steps run as CUDA graphs
     captured at startup unless `cuda_graphs=False`.
+
+    Every engine file's size and sha256 are checked against engine.json's manifest; a file's hash is
+    computed once per file version and then trusted through a stamp kept outside the engine (see
+    `kiln.engine_format.stamps`). `verify_checksums=False` checks sizes only.
     """
 
     def __init__(self, engine_dir: str | Path, *, device: str | torch.device | None = None,
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
-                 verify_checksums: bool = False) -> None:
+                 verify_checksums: bool = True) -> None:
         self.engine = create_engine(engine_dir, device=device, max_batch_size=max_batch_size,
                                     max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
                                     enable_prefix_caching=enable_prefix_caching,

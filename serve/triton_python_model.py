@@ -79,7 +79,7 @@ def instance_device(args: dict, params: BackendParameters) -> str:
         return f"cuda:{args.get('model_instance_device_id', '0')}"
     if kind == "CPU":
         return "cpu"
-    return load_engine_spec(params.engine_dir).target.get("device_type", "cpu")
+    return load_engine_spec(params.engine_dir, verify_checksums=False).target.get("device_type", "cpu")
 
 
 def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int | None):

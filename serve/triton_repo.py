@@ -104,7 +104,7 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
     """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
     replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
     for a directory that is not a kiln engine and ValueError for anything else it refuses."""
-    spec = load_engine_spec(engine_dir)
+    spec = load_engine_spec(engine_dir, verify_checksums=False)  # only its settings are read here
     engine_dir = spec.engine_dir.resolve()
     name = check_model_name(model_name if model_name is not None else engine_dir.name)
     built = int(spec.build_config["max_batch_size"])

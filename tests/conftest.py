@@ -7,6 +7,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kiln_cache_dir(tmp_path_factory):
+    """Weight-verification stamps go to a folder of the test session, never to the user's ~/.cache."""
+    import os
+
+    path = tmp_path_factory.mktemp("kiln-cache")
+    previous = os.environ.get("KILN_CACHE_DIR")
+    os.environ["KILN_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("KILN_CACHE_DIR", None)
+    else:
+        os.environ["KILN_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_code_engine(tmp_path_factory):
     """The bundled kiln-tiny-code built once per test session (float32, CPU)."""

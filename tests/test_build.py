@@ -337,11 +337,13 @@ def test_cuda_target_without_cuda(base, tmp_path):
 
 def test_rebuild_replaces_an_existing_engine(base, tmp_path):
     output = build(base.checkpoint, tmp_path / "engine")
-    (output / "stale.bin").write_bytes(b"from an older build")
+    # A rank file an older build with more ranks left: the engine's kind of file, so it goes with the engine
+    # (a file of any other kind makes the build refuse, see tests/test_engine_trust.py).
+    (output / "rank1.safetensors").write_bytes(b"from an older build")
     build(base.checkpoint, output, dtype="float16", max_batch_size=2)
     doc = json.loads((output / "engine.json").read_text())
     assert (doc["build_config"]["dtype"], doc["build_config"]["max_batch_size"]) == ("float16", 2)
-    assert not (output / "stale.bin").exists()
+    assert not (output / "rank1.safetensors").exists()
     assert not list(tmp_path.glob(".engine*"))
     assert len(greedy_ids(output, base.prompt_ids)) == 8
 

@@ -282,13 +282,13 @@ def test_truncated_weight_file(engine):
     assert "truncated or modified" in message and "rebuild the engine" in message
 
 
-def test_changed_byte_is_caught_only_when_verifying_checksums(engine):
+def test_changed_byte_is_caught_unless_checksums_are_skipped(engine):
     path = engine / "rank0.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    load_engine_spec(engine)  # sizes match: the cheap check passes
-    message = engine_error(engine, verify_checksums=True)
+    load_engine_spec(engine, verify_checksums=False)  # sizes match: the cheap check passes
+    message = engine_error(engine)
     assert "rank0.safetensors has sha256 that differs" in message
 
 

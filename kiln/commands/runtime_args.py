@@ -16,10 +16,13 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory left after weights and activations that the KV cache takes "
                         "(default: 0.9; CUDA graphs are captured in the rest)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (debugging)")
+    g.add_argument("--no-verify-checksums", action="store_true",
+                   help="skip the sha256 check of the engine files against engine.json's manifest (sizes are "
+                        "still checked). Without it, files are hashed once and trusted while unchanged")
 
 
 def runtime_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments for LLM / AsyncLLM / load_engine from the options above."""
+    """Keyword arguments for LLM / AsyncLLM / ServeConfig from the options above."""
     return dict(device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                cuda_graphs=not args.no_cuda_graphs)
+                cuda_graphs=not args.no_cuda_graphs, verify_checksums=not args.no_verify_checksums)

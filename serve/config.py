@@ -20,7 +20,19 @@ class ServeConfig:
     metrics_port: int = 8002
     api_key: str | None = None  # required as `Authorization: Bearer KEY` (HTTP) / `authorization` metadata (gRPC)
     max_request_bytes: int = 8 * 2**20
+    # Work one request may ask for (serve/limits.py); more is a 400 before anything is tokenized.
+    max_prompts_per_request: int = 256  # prompts of one /v1/completions request
+    max_n: int = 128  # OpenAI `n`: choices per prompt
+    max_sequences_per_request: int = 1024  # engine requests: prompts × n (OpenAI), batch rows (Triton)
+    max_prompt_tokens_per_request: int = 2**20  # prompt tokens, each prompt counted once
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests get this long, then are aborted
+    # Abuse limits (see README "Serving: limits"): admission, connections, time.
+    max_queued_requests: int = 1024  # admitted but not yet running; more get 429 / RESOURCE_EXHAUSTED
+    max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
+    keep_alive_timeout_s: float = 5.0  # idle connections, and ones that send no complete request head, close
+    body_timeout_s: float = 30.0  # a request body must arrive within this (408)
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones, on a loopback bind ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # web origins whose cross-origin requests are served ("*": any)
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's chat template
     # runtime overrides (None: the engine's build limits / what memory allows)
     device: str | None = None
@@ -29,6 +41,7 @@ class ServeConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
     cuda_graphs: bool = True
+    verify_checksums: bool = True  # sha256 of the engine files against the manifest (stamped: once per file)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "metrics_port"):
@@ -45,3 +58,16 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.shutdown_timeout_s={self.shutdown_timeout_s} is invalid: must be >= 0")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServeConfig.api_key is empty; leave it out to serve without a key")
+        if self.api_key is not None and not self.api_key.isascii():
+            raise ValueError("ServeConfig.api_key must be ASCII (HTTP headers and gRPC metadata carry it)")
+        for name in ("max_queued_requests", "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServeConfig.{name}={value!r} is invalid: must be a positive integer")
+        for name in ("keep_alive_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServeConfig.{name}={getattr(self, name)!r} is invalid: must be > 0 seconds")
+        for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request", "max_prompt_tokens_per_request"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServeConfig.{name}={value!r} is invalid: must be a positive integer")

@@ -15,7 +15,7 @@ from kiln.runtime.engine import Prompt
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
-from .errors import InvalidRequest, Unavailable
+from .errors import InvalidRequest, Overloaded, Unavailable
 from .metrics import ServeMetrics
 
 
@@ -42,9 +42,11 @@ class EngineService:
     """Wraps an AsyncLLM for the servers. Use `generate` inside `contextlib.aclosing(...)` so that a
     client that goes away aborts its request at once."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_queued_requests: int | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        # Requests admitted but not yet running in the engine, at most (None: no limit).
+        self.max_queued_requests = max_queued_requests
         self.metrics = ServeMetrics(llm.kv_cache_stats)
         self.accepting = True
         self._ids = itertools.count()
@@ -72,15 +74,32 @@ class EngineService:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
+    @property
+    def num_queued(self) -> int:
+        """Admitted requests the engine is not running yet (waiting for a batch slot or KV blocks)."""
+        return max(0, len(self._inflight) - self.llm.kv_cache_stats()["num_running"])
+
+    def check_admission(self) -> None:
+        """Raises Unavailable while shutting down and Overloaded when the queue is full; requests already
+        admitted are never dropped to make room."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down and takes no new requests")
+        limit = self.max_queued_requests
+        if limit is not None and self.num_queued >= limit:
+            self.metrics.requests.labels("overloaded").inc()
+            raise Overloaded(f"the server is overloaded: {limit} requests are already waiting for the engine "
+                             f"(--max-queued-requests {limit}); retry later")
+
     def new_request_id(self, prefix: str = "kiln") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Delta]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,
+                       cut_off_is_error: bool = False) -> AsyncIterator[Delta]:
         """Yields a Delta per engine update; the last has `finished`. Invalid input raises InvalidRequest
-        (before anything is yielded); a server that is shutting down raises Unavailable."""
-        if not self.accepting:
-            raise Unavailable("the server is shutting down and takes no new requests")
+        (before anything is yielded); a server that is shutting down raises Unavailable, and a full queue
+        Overloaded. With `cut_off_is_error` (Triton's protocols, which have no finish reason), a request
+        that shutdown aborted raises Unavailable instead of ending as a success with partial text."""
+        self.check_admission()
         request_id = request_id or self.new_request_id()
         metrics = self.metrics
         start = last = time.perf_counter()
@@ -114,6 +133,9 @@ class EngineService:
                 text_len, tokens, lp_len = len(out.text), len(out.token_ids), len(out.logprobs or [])
                 if out.finished:
                     outcome = out.finish_reason
+                    if cut_off_is_error and outcome == "abort":
+                        raise Unavailable(f"the request was cut off by server shutdown after {len(out.token_ids)} "
+                                          f"generated token(s); send it again to a running server")
                     metrics.e2e_latency.observe(now - start)
                     yield delta
                     return
@@ -150,7 +172,10 @@ class EngineService:
             return 0
         except asyncio.TimeoutError:
             left = list(self._inflight)
-            for request_id in left:
-                await self.llm.abort(request_id)
-            await asyncio.wait_for(self._idle.wait(), 5.0)
+            # All at once: the engine thread takes every queued command before its next step, so a thousand
+            # aborts cost one step, not a thousand.
+            with contextlib.suppress(RuntimeError):  # the engine has stopped: nothing left to abort
+                await asyncio.gather(*(self.llm.abort(request_id) for request_id in left))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5.0)
             return len(left)

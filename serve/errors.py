@@ -48,3 +48,34 @@ class Unavailable(RequestError):
     status = 503
     grpc_code = "UNAVAILABLE"
     openai_type = "service_unavailable"
+
+
+class Overloaded(RequestError):
+    """The queue of requests waiting for the engine is full; the client should retry later (Retry-After)."""
+
+    status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+    openai_type = "rate_limit_error"
+    retry_after_s = 1
+
+
+class RequestTimeout(RequestError):
+    """The client did not send its request body in time."""
+
+    status = 408
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class UnsupportedMediaType(RequestError):
+    """A Content-Encoding the server does not decode."""
+
+    status = 415
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class Forbidden(RequestError):
+    """A request from a web page of another origin, or for a Host name this server does not answer to."""
+
+    status = 403
+    grpc_code = "PERMISSION_DENIED"
+    openai_type = "permission_error"

@@ -4,13 +4,22 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from aiohttp import web
 
 from .config import ServeConfig
 from .engine_service import EngineService
-from .errors import InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge, RequestError, Unauthorized
+from .errors import (
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RequestError,
+    RequestTimeout,
+    Unauthorized,
+)
+from .http_body import parse_json_object, read_body
+from .http_guard import OriginPolicy, origin_middleware
 
 SERVICE = web.AppKey("service", EngineService)
 CONFIG = web.AppKey("config", ServeConfig)
@@ -25,15 +34,22 @@ def error_response(path: str, error: RequestError) -> web.Response:
                           "code": error.status}}
     else:
         body = {"error": error.message}
-    return web.json_response(body, status=error.status)
+    response = web.json_response(body, status=error.status)
+    if isinstance(error, Overloaded):
+        response.headers["Retry-After"] = str(error.retry_after_s)
+    if isinstance(error, RequestTimeout):
+        response.force_close()  # the rest of that body may never come: do not wait for it on this connection
+    return response
 
 
 def check_api_key(config: ServeConfig, authorization: str | None) -> None:
     """Raises Unauthorized unless `authorization` is `Bearer <the key>` (or no key is configured)."""
     if config.api_key is None:
         return
-    expected = f"Bearer {config.api_key}"
-    if authorization is None or not hmac.compare_digest(authorization.encode(), expected.encode()):
+    expected = f"Bearer {config.api_key}".encode()
+    # surrogateescape: a header of non-ASCII (even undecodable) bytes is a wrong key, never a crash.
+    given = None if authorization is None else authorization.encode("utf-8", "surrogateescape")
+    if given is None or not hmac.compare_digest(given, expected):
         raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'")
 
 
@@ -56,22 +72,27 @@ async def _protocol_middleware(request: web.Request, handler):
             f"{request.method} is not allowed on {request.path}; use {', '.join(e.allowed_methods)}"))
 
 
+async def read_request_body(request: web.Request) -> bytes:
+    """The body, decoded, within the server's time and size limits (http_body.read_body)."""
+    config = request.app[CONFIG]
+    return await read_body(request, timeout_s=config.body_timeout_s, max_bytes=config.max_request_bytes)
+
+
 async def read_json(request: web.Request) -> dict:
-    """The request body as a JSON object, or InvalidRequest saying what is wrong with it."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+    """The request body as a JSON object, or a RequestError saying what is wrong with it."""
+    return parse_json_object(await read_request_body(request))
+
+
+def _origin_middleware(config: ServeConfig):
+    policy = OriginPolicy(config.host, config.allowed_hosts, config.allowed_origins)
+    return origin_middleware(policy, lambda request, error: error_response(request.path, error))
 
 
 def make_http_app(service: EngineService, config: ServeConfig) -> web.Application:
     from . import kserve_http, openai_api
 
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_protocol_middleware])
+    app = web.Application(client_max_size=config.max_request_bytes,
+                          middlewares=[_origin_middleware(config), _protocol_middleware])
     app[SERVICE] = service
     app[CONFIG] = config
     kserve_http.add_routes(app)
@@ -79,10 +100,10 @@ def make_http_app(service: EngineService, config: ServeConfig) -> web.Applicatio
     return app
 
 
-def make_metrics_app(service: EngineService) -> web.Application:
+def make_metrics_app(service: EngineService, config: ServeConfig) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=service.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_origin_middleware(config)])
     app.router.add_get("/metrics", metrics)
     return app

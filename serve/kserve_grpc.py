@@ -27,6 +27,7 @@ from .config import ServeConfig
 from .engine_service import EngineService
 from .errors import InvalidRequest, NotFound, RequestError
 from .http_app import check_api_key
+from .limits import RequestLimits
 from .triton_batch import cancel_and_wait, complete_all
 from .triton_request import (
     TritonRequest,
@@ -175,7 +176,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # ---- inference --------------------------------------------------------------------------------
     def _parse(self, request: pb.ModelInferRequest) -> tuple[list[TritonRequest], list[str]]:
         self._check_model(request.model_name, request.model_version)
-        rows = parse_request(decode_inputs(request))
+        rows = parse_request(decode_inputs(request), RequestLimits.from_config(self.config))
         if len(rows) > self.service.max_batch_size:
             raise InvalidRequest(f"batch size {len(rows)} is more than the model's max_batch_size "
                                  f"{self.service.max_batch_size}", "text_input")
@@ -192,7 +193,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, rows: list[TritonRequest], names: Sequence[str]) -> dict[str, np.ndarray]:
         """Every row to completion, concurrently: text_output is the prompt and the generated text."""
-        results = await complete_all(self.service, rows)
+        results = await complete_all(self.service, rows, RequestLimits.from_config(self.config))
         return make_outputs(names, [text for text, _ in results], [logprobs for _, logprobs in results])
 
     async def _serve_stream(self, request_iterator, emit: Callable[[pb.ModelStreamInferResponse | None], None]):
@@ -235,7 +236,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                            emit: Callable[[pb.ModelStreamInferResponse], None], last_is_final: bool) -> None:
         """One response per new piece of text (never the prompt): output_log_probs holds the piece's tokens,
         cum_log_probs the sum over all tokens so far."""
-        async with contextlib.aclosing(self.service.generate(row.prompt, row.params)) as stream:
+        async with contextlib.aclosing(self.service.generate(row.prompt, row.params, cut_off_is_error=True)) as stream:
             async for delta in stream:
                 if not (delta.text or delta.finished or (row.return_log_probs and delta.logprobs)):
                     continue  # nothing to show yet (e.g. text a stop string might still cut)

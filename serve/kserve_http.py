@@ -19,8 +19,11 @@ from aiohttp import web
 
 import kiln
 
+from .client_json import long_integer_error, shown
 from .errors import InvalidRequest, NotFound, RequestError
-from .http_app import SERVICE, read_json
+from .http_app import CONFIG, SERVICE, read_json, read_request_body
+from .http_body import check_json_containers
+from .limits import RequestLimits
 from .triton_batch import complete, complete_all
 from .triton_request import (
     TritonRequest,
@@ -38,7 +41,7 @@ from .triton_schema import (
     model_config_json,
     model_metadata,
 )
-from .triton_wire import decode_raw, encode_raw, object_array
+from .triton_wire import check_shape, decode_raw, encode_raw, object_array, utf8
 
 logger = logging.getLogger("kiln.serve")
 
@@ -108,13 +111,14 @@ async def _infer(request: web.Request) -> web.Response:
         raise InvalidRequest(f"'id' must be a string, got {json.dumps(request_id)}", "id")
     parameters = _object(header.get("parameters"), "parameters")
     service = request.app[SERVICE]
-    requests = parse_request(_input_arrays(header.get("inputs"), binary))
+    limits = RequestLimits.from_config(request.app[CONFIG])
+    requests = parse_request(_input_arrays(header.get("inputs"), binary), limits)
     if len(requests) > service.max_batch_size:
         raise InvalidRequest(f"batch size {len(requests)} is larger than the model's max_batch_size "
                              f"{service.max_batch_size}", "text_input")
     names, binary_names = _requested_outputs(header.get("outputs"), _flag(parameters, "binary_data_output"))
     names = check_requested_outputs(names, requests)
-    results = await complete_all(service, requests)
+    results = await complete_all(service, requests, limits)
     outputs = make_outputs(names, [text for text, _ in results], [lp for _, lp in results])
     response = _infer_response(request_id, name, outputs, binary_names)
     response.enable_compression()  # only when the client's Accept-Encoding asks for it
@@ -150,15 +154,17 @@ async def _read_infer_body(request: web.Request) -> tuple[dict, bytes]:
     length = request.headers.get(BINARY_HEADER)
     if length is None:
         return await read_json(request), b""
-    raw = await request.read()
+    raw = await read_request_body(request)
     if not length.isdigit() or int(length) > len(raw):
         raise InvalidRequest(f"header {BINARY_HEADER}: {length!r} is not a length within the body "
                              f"({len(raw)} bytes)")
     head, binary = raw[:int(length)], raw[int(length):]
+    check_json_containers(head)
     try:
         header = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise InvalidRequest(f"the inference header (the first {length} bytes) is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise long_integer_error(head) or InvalidRequest(f"the inference header (the first {length} bytes) is not "
+                                                         f"valid JSON: {e}") from None
     return _object(header, "the inference header"), binary
 
 
@@ -205,6 +211,7 @@ def _json_tensor(name: str, datatype: str, tensor: dict, shape: list[int]) -> np
         raise InvalidRequest(f"input '{name}' has no 'data' (and no binary_data_size)", name)
     if not isinstance(tensor["data"], list):
         raise InvalidRequest(f"input '{name}': 'data' must be a list", name)
+    check_shape(name, shape)
     values = _from_json(name, datatype, _flatten(tensor["data"]))
     if values.size != math.prod(shape):
         raise InvalidRequest(f"input '{name}' has shape {shape} ({math.prod(shape)} elements) but "
@@ -240,17 +247,17 @@ def _from_json(name: str, datatype: str, values: list) -> np.ndarray:
         if datatype == "BOOL":
             ok = isinstance(value, bool)
         elif datatype == "FP32":
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            # an integer beyond float32's range is no FP32 value (and float() overflows on a long one)
+            ok = isinstance(value, float) or (_is_int(value) and abs(value) < 2**128)
         elif datatype == "BYTES":
             ok = isinstance(value, str)
         else:
             low, high = _INT_RANGES[datatype]
             ok = _is_int(value) and low <= value < high
         if not ok:
-            raise InvalidRequest(f"input '{name}' is {datatype}; {json.dumps(value)[:80]} is not a {datatype} value",
-                                 name)
+            raise InvalidRequest(f"input '{name}' is {datatype}; {shown(value)} is not a {datatype} value", name)
     if datatype == "BYTES":
-        return object_array([v.encode("utf-8") for v in values])
+        return object_array([utf8(name, v) for v in values])
     return np.array(values, dtype=DATATYPES[datatype][1])
 
 
@@ -329,7 +336,8 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
     name = _model_name(request)
     generate_request = _generate_request(await read_json(request))
     service = request.app[SERVICE]
-    async with contextlib.aclosing(service.generate(generate_request.prompt, generate_request.params)) as stream:
+    async with contextlib.aclosing(service.generate(generate_request.prompt, generate_request.params,
+                                                    cut_off_is_error=True)) as stream:
         delta = await anext(stream)  # raises InvalidRequest (too long, ...) before any event
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache"})

@@ -12,8 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 disable_created_metrics()
 
 # How a request ended: finish reasons, "abort" (client went away, or shutdown), "rejected" (invalid),
-# "error" (the engine failed).
-OUTCOMES = ("stop", "length", "abort", "rejected", "error")
+# "overloaded" (refused because the queue was full: --max-queued-requests), "error" (the engine failed).
+OUTCOMES = ("stop", "length", "abort", "rejected", "overloaded", "error")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
@@ -25,7 +25,7 @@ class ServeMetrics:
     def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kiln_requests", "Requests by outcome (stop, length, abort, rejected, error)",
+        self.requests = Counter("kiln_requests", "Requests by outcome (stop, length, abort, rejected, overloaded, error)",
                                 ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)

@@ -22,6 +22,7 @@ from kiln.runtime.outputs import RequestOutput
 from .engine_service import Delta, EngineService
 from .errors import InvalidRequest, RequestError, Unavailable
 from .http_app import CONFIG, SERVICE, read_json
+from .limits import RequestLimits
 from .openai_request import Choice, Job, chat_job, check_model, completion_job, usage
 
 logger = logging.getLogger("kiln.serve")
@@ -160,14 +161,15 @@ def add_routes(app: web.Application) -> None:
         service = request.app[SERVICE]
         body = await read_json(request)
         check_model(body, service)
-        job = completion_job(service, body)
+        job = completion_job(service, body, RequestLimits.from_config(request.app[CONFIG]))
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         service = request.app[SERVICE]
         body = await read_json(request)
         check_model(body, service)
-        job = chat_job(service, body, request.app[CONFIG].chat_template)
+        config = request.app[CONFIG]
+        job = chat_job(service, body, config.chat_template, RequestLimits.from_config(config))
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     app.router.add_get("/v1/models", list_models)

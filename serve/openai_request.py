@@ -2,13 +2,14 @@
 
 `completion_job` and `chat_job` check a /v1/completions or /v1/chat/completions body (every invalid field is a
 400 naming it) and return a `Job`: one engine request per choice (prompt i, choice j -> choice index i*n+j) and
-the functions that present what those requests produce. Nothing here speaks HTTP; openai_api.py does.
+the functions that present what those requests produce. The request's size (prompts, n, prompts × n, prompt
+tokens) is checked against the server's RequestLimits before anything is tokenized, and prompts are tokenized
+here, counting their tokens. Nothing here speaks HTTP; openai_api.py does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -18,8 +19,10 @@ from kiln.runtime.engine import Prompt
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
+from .client_json import check_values, shown
 from .engine_service import Delta, EngineService
 from .errors import InvalidRequest, NotFound
+from .limits import RequestLimits
 
 # Fields whose OpenAI (or vLLM) name and meaning are SamplingParams' own.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -30,7 +33,6 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs"
 # Unsupported fields are fine when null or empty, or at one of these values that ask for nothing.
 _HARMLESS_VALUES = {"response_format": [{"type": "text"}], "tool_choice": ["none"], "modalities": [["text"]],
                     "service_tier": ["auto", "default"], "parallel_tool_calls": [True, False], "store": [False]}
-MAX_N = 128
 MAX_COMPLETION_LOGPROBS = 5
 
 
@@ -71,7 +73,7 @@ def _check_fields(body: dict, supported: set[str], n: int) -> None:
             continue
         if name == "best_of" and value == n:
             continue
-        raise InvalidRequest(f"'{name}' is not supported by kiln serve (got {json.dumps(value)[:80]})", name)
+        raise InvalidRequest(f"'{name}' is not supported by kiln serve (got {shown(value)})", name)
 
 
 def check_model(body: dict, service: EngineService) -> None:
@@ -85,15 +87,14 @@ def _get(body: dict, name: str, default, kind: type | tuple[type, ...], rule: st
     if value is None:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidRequest(f"{name}={json.dumps(value)[:80]} is invalid: must be {rule}", name)
+        raise InvalidRequest(f"{name}={shown(value)} is invalid: must be {rule}", name)
     return value
 
 
-def _n_and_stream(body: dict) -> tuple[int, bool, bool]:
+def _n_and_stream(body: dict, limits: RequestLimits) -> tuple[int, bool, bool]:
     """-> (n, stream, include_usage)."""
-    n = _get(body, "n", 1, int, f"an integer in [1, {MAX_N}]")
-    if not 1 <= n <= MAX_N:
-        raise InvalidRequest(f"n={n} is invalid: must be an integer in [1, {MAX_N}]", "n")
+    n = _get(body, "n", 1, int, f"an integer in [1, {limits.max_n}] (--max-n)")
+    limits.check_n(n)
     stream = _get(body, "stream", False, bool, "true or false")
     options = _get(body, "stream_options", {}, dict, "an object such as {\"include_usage\": true}")
     if options and not stream:
@@ -108,7 +109,7 @@ def _sampling_params(body: dict, field_names: dict[str, str], **fixed) -> Sampli
     for name in ("stop", "stop_token_ids"):
         if name in kwargs and not isinstance(kwargs[name], (list, str) if name == "stop" else list):
             rule = "a string or a list of strings" if name == "stop" else "a list of token ids"
-            raise InvalidRequest(f"{name}={json.dumps(kwargs[name])[:80]} is invalid: must be {rule}", name)
+            raise InvalidRequest(f"{name}={shown(kwargs[name])} is invalid: must be {rule}", name)
     try:
         return SamplingParams(**kwargs, **fixed)
     except ValueError as e:
@@ -137,6 +138,12 @@ def _seeded_choices(params: SamplingParams, n: int, field_names: dict[str, str])
         return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
     except ValueError as e:
         raise _openai_error(e, field_names) from None
+
+
+def _prompt_count(prompt) -> int:
+    """How many prompts `prompt` holds, without looking past its first element (a list of strings or of lists
+    is that many prompts; anything else is one, or invalid, which _completion_prompts says)."""
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
 
 
 def _completion_prompts(prompt) -> list[Prompt]:
@@ -251,8 +258,12 @@ def usage(choices: list[Choice], outputs: dict[int, RequestOutput]) -> dict:
 
 
 # ---- building a job ------------------------------------------------------------------------------------
-def completion_job(service: EngineService, body: dict) -> Job:
-    n, stream, include_usage = _n_and_stream(body)
+def completion_job(service: EngineService, body: dict, limits: RequestLimits) -> Job:
+    n, stream, include_usage = _n_and_stream(body, limits)
+    count = _prompt_count(body.get("prompt"))
+    limits.check_prompts(count)
+    limits.check_sequences(count, n)
+    check_values(body)
     _check_fields(body, _COMPLETION_FIELDS, n)
     prompts = _completion_prompts(body.get("prompt"))
     k = _get(body, "logprobs", None, int, f"an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
@@ -267,11 +278,13 @@ def completion_job(service: EngineService, body: dict) -> Job:
                               logprobs=k is not None, top_logprobs=k or 0)
     _check_max_tokens(service, params.max_tokens, "max_tokens")
     tokenizer = service.tokenizer
+    tokenize = limits.prompt_tokens(service.llm.engine.tokenize, "prompt")
     choices = []
     for i, prompt in enumerate(prompts):
-        shown = "" if not echo else prompt if isinstance(prompt, str) else _decode(tokenizer, prompt)
+        token_ids = tokenize(prompt)
+        echoed = "" if not echo else prompt if isinstance(prompt, str) else _decode(tokenizer, prompt)
         for j, choice_params in enumerate(_seeded_choices(params, n, names)):
-            choices.append(Choice(i * n + j, prompt, choice_params, j == 0, shown))
+            choices.append(Choice(i * n + j, token_ids, choice_params, j == 0, echoed))
     offsets: dict[int, int] = {}  # streamed text so far per choice, for text_offset
 
     def logprobs(token_ids, lps, tops, offset: int) -> dict | None:
@@ -294,10 +307,13 @@ def completion_job(service: EngineService, body: dict) -> Job:
                 format_choice, format_delta, service.model_name)
 
 
-def chat_job(service: EngineService, body: dict, chat_template: str | None) -> Job:
-    n, stream, include_usage = _n_and_stream(body)
+def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits) -> Job:
+    n, stream, include_usage = _n_and_stream(body, limits)
+    limits.check_sequences(1, n)
+    check_values(body)
     _check_fields(body, _CHAT_FIELDS, n)
-    token_ids = _chat_prompt(service, chat_template, _chat_messages(body.get("messages")))
+    count_tokens = limits.prompt_tokens(service.llm.engine.tokenize, "messages")
+    token_ids = count_tokens(_chat_prompt(service, chat_template, _chat_messages(body.get("messages"))))
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _get(body, limit_field, None, int, "an integer >= 1")
     if max_tokens is None:

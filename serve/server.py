@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from pathlib import Path
 
 from aiohttp import web
@@ -14,8 +16,13 @@ from kiln.runtime.async_llm import AsyncLLM
 from .config import ServeConfig
 from .engine_service import EngineService
 from .http_app import make_http_app, make_metrics_app
+from .http_guard import LimitedTCPSite
 
 logger = logging.getLogger("kiln.serve")
+
+# What shutdown may take beyond --shutdown-timeout (aborting, closing listeners, stopping the engine thread)
+# before the process exits regardless.
+SHUTDOWN_GRACE_S = 5.0
 
 
 def _grpc_address(host: str, port: int) -> str:
@@ -46,11 +53,11 @@ class KilnServer:
                                                 max_batch_size=c.max_batch_size, max_num_tokens=c.max_num_tokens,
                                                 num_kv_blocks=c.num_kv_blocks,
                                                 kv_cache_memory_fraction=c.kv_cache_memory_fraction,
-                                                cuda_graphs=c.cuda_graphs)
-        self.service = EngineService(self._llm, self.model_name)
+                                                cuda_graphs=c.cuda_graphs, verify_checksums=c.verify_checksums)
+        self.service = EngineService(self._llm, self.model_name, c.max_queued_requests)
         try:
             self.http_port = await self._listen(make_http_app(self.service, c), c.http_port)
-            self.metrics_port = await self._listen(make_metrics_app(self.service), c.metrics_port)
+            self.metrics_port = await self._listen(make_metrics_app(self.service, c), c.metrics_port)
             self._grpc = kserve_grpc.make_server(self.service, c)
             self.grpc_port = self._grpc.add_insecure_port(_grpc_address(c.host, c.grpc_port))
             if self.grpc_port == 0:
@@ -65,11 +72,18 @@ class KilnServer:
 
     async def _listen(self, app: web.Application, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its request
-        # and frees its KV blocks at once instead of at the next write.
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # and frees its KV blocks at once instead of at the next write. keepalive_timeout closes idle
+        # connections and, from the moment a connection opens, ones that send no complete request head.
+        # auto_decompress off: http_body inflates bodies itself, within --max-request-bytes.
+        # shutdown_timeout: by the time listeners close, drain has ended (or aborted) every request.
+        c = self.config
+        # lingering_time: how long the unread rest of a refused body is drained before the connection closes.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                               keepalive_timeout=c.keep_alive_timeout_s, auto_decompress=False,
+                               lingering_time=min(2.0, c.body_timeout_s), shutdown_timeout=1.0)
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, self.config.host, port)
+        site = LimitedTCPSite(runner, c.host, port, max_connections=c.max_connections)
         await site.start()
         return runner.addresses[0][1]
 
@@ -104,6 +118,22 @@ async def serve(config: ServeConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("kiln serve: stopping (finishing running requests)", flush=True)
+    print(f"kiln serve: stopping (running requests get {config.shutdown_timeout_s:g} s; a second signal exits "
+          f"at once)", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _exit_now, sig)
+    # Whatever the load, the process is gone shortly after the timeout, even if a step or a client hangs.
+    watchdog = threading.Timer(config.shutdown_timeout_s + SHUTDOWN_GRACE_S, _exit_now, ("the shutdown deadline",))
+    watchdog.daemon = True
+    watchdog.start()
     await server.stop()
+    watchdog.cancel()
     print("kiln serve: stopped", flush=True)
+
+
+def _exit_now(reason) -> None:
+    """Leaves without cleanup: a second signal, or shutdown running past its deadline."""
+    if isinstance(reason, int):
+        reason = f"a second {signal.Signals(reason).name}"
+    print(f"kiln serve: exiting now ({reason})", flush=True)
+    os._exit(1)

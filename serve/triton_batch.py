@@ -7,15 +7,21 @@ import asyncio
 import contextlib
 from collections.abc import Collection
 
+from kiln.runtime.engine import Prompt
+
 from .engine_service import EngineService
 from .errors import RequestError
+from .limits import RequestLimits
 from .triton_request import TritonRequest
 
 
-async def complete(service: EngineService, request: TritonRequest) -> tuple[str, list[float]]:
+async def complete(service: EngineService, request: TritonRequest,
+                   prompt: Prompt | None = None) -> tuple[str, list[float]]:
     """Runs one request to the end -> (text_output: the prompt and the generated text unless exclude_input,
-    per-token logprobs)."""
-    async with contextlib.aclosing(service.generate(request.prompt, request.params)) as stream:
+    per-token logprobs). `prompt`: the request's prompt as token ids, when already tokenized."""
+    prompt = request.prompt if prompt is None else prompt
+    # Triton has no finish reason: a request cut off by shutdown must fail, not succeed with partial text.
+    async with contextlib.aclosing(service.generate(prompt, request.params, cut_off_is_error=True)) as stream:
         async for delta in stream:
             output = delta.output
     text = output.text if request.exclude_input else request.prompt + output.text
@@ -31,17 +37,31 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task]) -> None:
         await asyncio.wait(tasks)
 
 
-async def complete_all(service: EngineService, requests: list[TritonRequest]) -> list[tuple[str, list[float]]]:
-    """Runs all rows at once -> `complete`'s result per row. The first failure (or the caller's cancellation)
-    cancels the others, aborting their engine requests; in a batch of several, a RequestError's message
-    names its row."""
+async def complete_all(service: EngineService, requests: list[TritonRequest],
+                       limits: RequestLimits | None = None) -> list[tuple[str, list[float]]]:
+    """Runs all rows at once -> `complete`'s result per row. With `limits`, every row is tokenized first, and
+    a batch whose prompts hold more tokens than the server takes is refused before any row starts. The first
+    failure (or the caller's cancellation) cancels the others, aborting their engine requests; in a batch of
+    several, a RequestError's message names its row."""
+    def in_row(i: int, error: RequestError) -> RequestError:
+        if len(requests) > 1:
+            error.message = f"batch row {i}: {error.message}"
+        return error
+
+    prompts: list[Prompt] = [r.prompt for r in requests]
+    if limits is not None:
+        tokenize = limits.prompt_tokens(service.llm.engine.tokenize, "text_input")
+        for i, request in enumerate(requests):
+            try:
+                prompts[i] = tokenize(request.prompt)
+            except RequestError as e:
+                raise in_row(i, e) from None
+
     async def row(i: int, request: TritonRequest) -> tuple[str, list[float]]:
         try:
-            return await complete(service, request)
+            return await complete(service, request, prompts[i])
         except RequestError as e:
-            if len(requests) > 1:
-                e.message = f"batch row {i}: {e.message}"
-            raise
+            raise in_row(i, e) from None
 
     tasks = [asyncio.ensure_future(row(i, r)) for i, r in enumerate(requests)]
     try:

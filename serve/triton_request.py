@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from kiln.runtime.sampling_params import SamplingParams
 
 from .errors import InvalidRequest
 from .triton_schema import DATATYPES, INPUT_SPECS, OUTPUT_SPECS
+
+if TYPE_CHECKING:
+    from .limits import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ _FIELD = re.compile(r"SamplingParams\.(\w+)=")
 _PARAM_TO_INPUT = {"seed": "seed", "stop": "stop_words", "stop_token_ids": "end_id"}
 
 
-def parse_request(inputs: Mapping[str, np.ndarray]) -> list[TritonRequest]:
-    """Named arrays (BYTES as object arrays of bytes/str) -> one TritonRequest per batch row."""
+def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits | None = None) -> list[TritonRequest]:
+    """Named arrays (BYTES as object arrays of bytes/str) -> one TritonRequest per batch row. With `limits`, a
+    batch of more rows than the server takes is refused before any row is parsed."""
     for name in inputs:
         if name not in INPUT_SPECS:
             raise InvalidRequest(f"unknown input '{name}'; this model's inputs are {', '.join(INPUT_SPECS)}", name)
@@ -89,6 +94,8 @@ def parse_request(inputs: Mapping[str, np.ndarray]) -> list[TritonRequest]:
     batch = rows["text_input"].shape[0]
     if batch == 0:
         raise InvalidRequest("input 'text_input' is empty (batch size 0)", "text_input")
+    if limits is not None:
+        limits.check_rows(batch)
     for name, array in rows.items():
         if array.shape[0] != batch:
             raise InvalidRequest(f"input '{name}' has batch size {array.shape[0]} but text_input has {batch}", name)

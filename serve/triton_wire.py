@@ -1,7 +1,8 @@
 """Triton's raw tensor encoding, shared by the HTTP binary-data extension and gRPC raw contents.
 
 Numeric elements are little-endian arrays; each BYTES element is a 4-byte little-endian length, then the bytes.
-Every problem raises `InvalidRequest` naming the tensor.
+Every problem raises `InvalidRequest` naming the tensor. A declared shape is checked before any data is read
+(numpy fails, or allocates without bound, on shapes such as [2**63, 0] or 100 dimensions).
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .client_json import surrogate_error
 from .errors import InvalidRequest
 from .triton_schema import DATATYPES
+
+MAX_DIMS = 8  # kiln's tensors have 2; Triton's clients send no more than a few
+MAX_ELEMENTS = 2**31  # per tensor, counting only its non-zero dimensions: far above what a body can carry
 
 
 def _wire_dtype(datatype: str) -> np.dtype:
@@ -31,6 +36,7 @@ def decode_raw(name: str, datatype: str, raw: bytes, shape: Sequence[int], *,
                where: str = "raw data") -> np.ndarray:
     """Input `name`'s raw bytes -> an array of `shape` (BYTES: an object array of bytes). `where` names the raw
     data in the error when the element count does not match the shape."""
+    check_shape(name, shape)
     if datatype != "BYTES":
         dtype = _wire_dtype(datatype)
         if len(raw) % dtype.itemsize:
@@ -56,11 +62,31 @@ def decode_raw(name: str, datatype: str, raw: bytes, shape: Sequence[int], *,
 def reshape(name: str, values: np.ndarray, shape: Sequence[int], where: str) -> np.ndarray:
     """Input `name`'s flat values -> an array of `shape`; `where` names the values in the error when their
     count does not match."""
-    count = math.prod(shape)
+    count = math.prod(check_shape(name, shape))
     if values.size != count:
         raise InvalidRequest(f"input '{name}' has {values.size} elements in {where} but its shape {list(shape)} "
                              f"needs {count}", name)
     return values.reshape(shape)
+
+
+def check_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """Input `name`'s declared shape, if numpy can hold it and a request could fill it; else InvalidRequest."""
+    dims = tuple(shape)
+    if len(dims) > MAX_DIMS or not all(isinstance(d, int) and 0 <= d < MAX_ELEMENTS for d in dims) \
+            or math.prod(d for d in dims if d) >= MAX_ELEMENTS:
+        shown = list(dims) if len(dims) <= MAX_DIMS else f"[{', '.join(map(str, dims[:MAX_DIMS]))}, ...]"
+        raise InvalidRequest(f"input '{name}' has shape {shown} ({len(dims)} dimensions), which is invalid: a shape "
+                             f"has at most {MAX_DIMS} dimensions, each in [0, 2**31), and fewer than 2**31 elements "
+                             "not counting its 0 dimensions", name)
+    return dims
+
+
+def utf8(name: str, text: str) -> bytes:
+    """A BYTES element given as text (JSON) -> its UTF-8 bytes; InvalidRequest if it holds a lone surrogate."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise surrogate_error(f"input '{name}'", text, name) from None
 
 
 def encode_raw(datatype: str, array: np.ndarray) -> bytes:

@@ -331,8 +331,8 @@ def test_generate_stream(server, greedy):
 def test_generate_stream_error_after_start_is_an_event(server, monkeypatch):
     real_generate = server.service.generate
 
-    async def fails_after_one_piece(prompt, params, request_id=None):
-        async with contextlib.aclosing(real_generate(prompt, params, request_id)) as stream:
+    async def fails_after_one_piece(prompt, params, request_id=None, **options):
+        async with contextlib.aclosing(real_generate(prompt, params, request_id, **options)) as stream:
             async for delta in stream:
                 yield delta
                 raise RuntimeError("the engine fell over")

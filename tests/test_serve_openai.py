@@ -270,7 +270,7 @@ def test_malformed_json_is_a_400(server, client):
 def test_client_that_goes_away_frees_its_blocks(server, stream):
     body = json.dumps({"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1000 - 16, "ignore_eos": True,
                        "stream": stream, "n": 2}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     def aborted():
         return server.service.metrics.registry.get_sample_value("kiln_requests_total", {"outcome": "abort"})

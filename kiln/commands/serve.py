@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from .runtime_args import add_runtime_args, runtime_kwargs
@@ -27,8 +28,37 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(health endpoints and /metrics stay open)")
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="largest request body (default: 8 MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="prompts one /v1/completions request may hold; more is a 400 (default: 256)")
+    p.add_argument("--max-n", type=int, default=128, help="largest OpenAI `n` (choices per prompt) (default: 128)")
+    p.add_argument("--max-sequences-per-request", type=int, default=1024,
+                   help="engine requests one request may start: prompts × n on /v1, batch rows on Triton's infer; "
+                        "more is a 400 (default: 1024)")
+    p.add_argument("--max-prompt-tokens-per-request", type=int, default=2**20,
+                   help="prompt tokens one request may hold, all its prompts together; more is a 400 "
+                        "(default: 1048576)")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file's first line (kept out of `ps`); the environment "
+                        "variable KILN_API_KEY works too")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM before they are aborted (default: 30)")
+                   help="seconds running requests get to finish after SIGTERM before they are aborted (default: 30); "
+                        "the process exits at most 5 s later, and at once on a second signal")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests admitted but not yet running in the engine; more are refused with 429 + "
+                        "Retry-After (gRPC: RESOURCE_EXHAUSTED) (default: 1024)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections; more are answered 503 and closed (default: 1024)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds before an idle HTTP connection, or one that has not sent a complete request "
+                        "head, is closed (default: 5)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; later is a 408 (default: 30)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names served besides localhost/127.0.0.1/::1 when listening on a "
+                        "loopback address ('*': any); protects against DNS rebinding (default: none)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated web origins (e.g. http://localhost:3000) whose cross-origin requests "
+                        "are served, with CORS headers ('*': any); others get 403 (default: none)")
     p.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
     add_runtime_args(p)
@@ -47,11 +77,38 @@ def run(args: argparse.Namespace) -> int:
         template = path.read_text(encoding="utf-8")
     config = ServeConfig(engine_dir=args.engine, model_name=args.model_name or "", host=args.host,
                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                         api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                         api_key=_api_key(args), max_request_bytes=args.max_request_bytes,
+                         max_prompts_per_request=args.max_prompts_per_request, max_n=args.max_n,
+                         max_sequences_per_request=args.max_sequences_per_request,
+                         max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
                          shutdown_timeout_s=args.shutdown_timeout, chat_template=template,
+                         max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
+                         keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,
+                         allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
                          **runtime_kwargs(args))
     try:
         asyncio.run(serve(config))
     except OSError as e:  # a port in use, an address this machine does not have
         raise ValueError(f"cannot listen: {e}") from None
     return 0
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $KILN_API_KEY, else no key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {path}: cannot read it: {e}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file's first line is empty")
+        return key
+    return args.api_key if args.api_key is not None else (os.environ.get("KILN_API_KEY") or None)

@@ -53,6 +53,19 @@ def greedy(srv) -> str:
     return body["text_output"]
 
 
+def peak_rss_mib() -> float:
+    """This process's (the in-process server's) peak resident memory since the last reset, in MiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def wait_blocks_free(srv, timeout=30):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -78,11 +91,14 @@ def reference(srv):
 
 # ---- bodies ----------------------------------------------------------------------------------------------
 def test_gzip_bomb_stops_at_the_limit_and_health_keeps_answering(srv, reference):
-    bomb = gzip.compress(b" " * 2**30, compresslevel=9)  # ~1 MB inflating to 1 GiB
+    bomb = gzip.compress(b" " * 2**28, compresslevel=9)  # 256 KB inflating to 256 MiB (the review sent 1 GiB)
+    reset_peak_rss()
+    before = peak_rss_mib()
     start = time.perf_counter()
     status, _, body = request(srv, GENERATE, bomb, {"Content-Encoding": "gzip", "Content-Type": "application/json"})
     assert status == 413 and "--max-request-bytes" in body["error"]
     assert time.perf_counter() - start < 2.0 and healthy(srv)
+    assert peak_rss_mib() - before < 64  # inflation stopped at the 8 MiB limit, not at 256 MiB
     assert greedy(srv) == reference
 
 
@@ -100,6 +116,18 @@ def test_compressed_bodies_work(srv, reference, encoding, compress):
     body = compress(json.dumps({"text_input": PROMPT, "max_tokens": 8, "temperature": 0}).encode())
     status, _, answer = request(srv, GENERATE, body, {"Content-Encoding": encoding})
     assert status == 200 and answer["text_output"] == reference
+
+
+def test_the_reviews_7_9_mb_of_prompts_is_refused_in_bounded_memory(srv, reference):
+    body = b'{"max_tokens": 1, "prompt": [' + b",".join([b"[1,2]"] * 1_300_000) + b"]}"  # 7.9 MB
+    reset_peak_rss()
+    before = peak_rss_mib()
+    start = time.perf_counter()
+    status, _, answer = request(srv, "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 413 and "JSON arrays and objects" in answer["error"]["message"]
+    assert time.perf_counter() - start < 2.0 and healthy(srv)
+    assert peak_rss_mib() - before < 200  # the review saw 18.9 GB
+    assert greedy(srv) == reference
 
 
 def test_a_body_of_millions_of_arrays_is_refused_without_parsing(srv):
@@ -196,7 +224,7 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
 
 # ---- admission -------------------------------------------------------------------------------------------
 def _long(srv, results, i):
-    results[i] = request(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 600, "ignore_eos": True},
+    results[i] = request(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 250, "ignore_eos": True},
                          timeout=120)
 
 

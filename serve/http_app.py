@@ -1,56 +1,16 @@
 """The HTTP side of `kiln serve`: one aiohttp application for Triton/KServe v2 (`/v2`) and the OpenAI API
-(`/v1`), with the API key check and the error format of each protocol; and the metrics application."""
+(`/v1`) with the API key check, the Host/Origin guard and each protocol's error format; and the metrics
+application."""
 
 from __future__ import annotations
-
-import hmac
 
 from aiohttp import web
 
 from .config import ServeConfig
 from .engine_service import EngineService
-from .errors import (
-    MethodNotAllowed,
-    NotFound,
-    Overloaded,
-    PayloadTooLarge,
-    RequestError,
-    RequestTimeout,
-    Unauthorized,
-)
-from .http_body import parse_json_object, read_body
+from .errors import MethodNotAllowed, NotFound, PayloadTooLarge, RequestError
+from .http_common import CONFIG, PUBLIC_PATHS, SERVICE, check_api_key, error_response
 from .http_guard import OriginPolicy, origin_middleware
-
-SERVICE = web.AppKey("service", EngineService)
-CONFIG = web.AppKey("config", ServeConfig)
-# Probes (load balancers, Kubernetes) cannot send a key; these say nothing about the model.
-PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health"})
-
-
-def error_response(path: str, error: RequestError) -> web.Response:
-    """OpenAI's error object under /v1, Triton's `{"error": message}` elsewhere."""
-    if path.startswith("/v1"):
-        body = {"error": {"message": error.message, "type": error.openai_type, "param": error.param,
-                          "code": error.status}}
-    else:
-        body = {"error": error.message}
-    response = web.json_response(body, status=error.status)
-    if isinstance(error, Overloaded):
-        response.headers["Retry-After"] = str(error.retry_after_s)
-    if isinstance(error, RequestTimeout):
-        response.force_close()  # the rest of that body may never come: do not wait for it on this connection
-    return response
-
-
-def check_api_key(config: ServeConfig, authorization: str | None) -> None:
-    """Raises Unauthorized unless `authorization` is `Bearer <the key>` (or no key is configured)."""
-    if config.api_key is None:
-        return
-    expected = f"Bearer {config.api_key}".encode()
-    # surrogateescape: a header of non-ASCII (even undecodable) bytes is a wrong key, never a crash.
-    given = None if authorization is None else authorization.encode("utf-8", "surrogateescape")
-    if given is None or not hmac.compare_digest(given, expected):
-        raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'")
 
 
 @web.middleware
@@ -70,17 +30,6 @@ async def _protocol_middleware(request: web.Request, handler):
     except web.HTTPMethodNotAllowed as e:
         return error_response(request.path, MethodNotAllowed(
             f"{request.method} is not allowed on {request.path}; use {', '.join(e.allowed_methods)}"))
-
-
-async def read_request_body(request: web.Request) -> bytes:
-    """The body, decoded, within the server's time and size limits (http_body.read_body)."""
-    config = request.app[CONFIG]
-    return await read_body(request, timeout_s=config.body_timeout_s, max_bytes=config.max_request_bytes)
-
-
-async def read_json(request: web.Request) -> dict:
-    """The request body as a JSON object, or a RequestError saying what is wrong with it."""
-    return parse_json_object(await read_request_body(request))
 
 
 def _origin_middleware(config: ServeConfig):

@@ -26,7 +26,7 @@ import kiln
 from .config import ServeConfig
 from .engine_service import EngineService
 from .errors import InvalidRequest, NotFound, RequestError
-from .http_app import check_api_key
+from .http_common import check_api_key
 from .limits import RequestLimits
 from .triton_batch import cancel_and_wait, complete_all
 from .triton_request import (

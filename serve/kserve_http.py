@@ -21,8 +21,8 @@ import kiln
 
 from .client_json import long_integer_error, shown
 from .errors import InvalidRequest, NotFound, RequestError
-from .http_app import CONFIG, SERVICE, read_json, read_request_body
 from .http_body import check_json_containers
+from .http_common import CONFIG, SERVICE, read_json, read_request_body
 from .limits import RequestLimits
 from .triton_batch import complete, complete_all
 from .triton_request import (

@@ -21,7 +21,7 @@ from kiln.runtime.outputs import RequestOutput
 
 from .engine_service import Delta, EngineService
 from .errors import InvalidRequest, RequestError, Unavailable
-from .http_app import CONFIG, SERVICE, read_json
+from .http_common import CONFIG, SERVICE, read_json
 from .limits import RequestLimits
 from .openai_request import Choice, Job, chat_job, check_model, completion_job, usage
 

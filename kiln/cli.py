@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+import kiln
 from kiln.commands import bench, build, evaluate, generate, serve, triton_repo
+from kiln.commands.flags import with_flags
 
 COMMANDS = (build, generate, evaluate, serve, triton_repo, bench)
 
@@ -16,6 +18,7 @@ def make_parser() -> argparse.ArgumentParser:
                                                               "and run them.")
     parser.add_argument("--log-level", default="WARNING", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: WARNING)")
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, EngineError, ValueError) as e:
         kind = getattr(args, "eval_kind", None) or getattr(args, "bench_kind", None)
         name = args.command + (f" {kind}" if kind else "")
-        print(f"kiln {name}: error: {e}", file=sys.stderr)
+        # the runtime names its fields (SamplingParams.top_p); the user typed flags (--top-p)
+        print(f"kiln {name}: error: {with_flags(str(e), getattr(args, 'field_flags', {}))}", file=sys.stderr)
         return 2
 
 

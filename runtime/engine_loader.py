@@ -76,6 +76,7 @@ def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True) -
 
     With `verify_checksums` (the default) every file's sha256 is checked against the manifest, hashing
     only files that changed since they last matched; False checks sizes only."""
+    _check_not_a_checkpoint(Path(engine_dir))
     spec = load_engine_spec(engine_dir, verify_checksums=verify_checksums)
     hint = f"rebuild the engine with `kiln build --checkpoint ... --output {spec.engine_dir}`"
     try:
@@ -86,6 +87,15 @@ def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True) -
     config = read_engine_config(spec)
     tokenizer = None if spec.tokenizer_dir is None else _load_tokenizer(spec.tokenizer_dir, hint)
     return EngineInfo(spec, model_def, model_config, config, tokenizer)
+
+
+def _check_not_a_checkpoint(engine_dir: Path) -> None:
+    """A Hugging Face checkpoint (config.json, no engine.json) passed where an engine belongs: say to build one
+    from it, into another directory (building into the checkpoint itself would be refused)."""
+    if engine_dir.is_dir() and (engine_dir / "config.json").is_file() and not (engine_dir / ENGINE_JSON).exists():
+        raise EngineError(f"{engine_dir} has no {ENGINE_JSON} but a config.json: this looks like a Hugging Face "
+                          f"checkpoint, not a kiln engine: build an engine from it with "
+                          f"`kiln build --checkpoint {engine_dir} --output ENGINE_DIR`, then pass --engine ENGINE_DIR")
 
 
 def _read_model_config(spec: EngineSpec, hint: str) -> ModelConfig:
@@ -148,17 +158,35 @@ def _override(name: str, value: int | None, built: int, flag: str) -> int:
     return value
 
 
+BUILD_DEVICES = ("cpu", "cuda")  # the device types kiln runs on, and `kiln build --device` targets
+
+
 def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch.device:
+    """The device to run on: `device`, else the engine's target. An EngineError whose advice can work when
+    `device` is of a type kiln does not run on, CUDA on a machine without it, or not the engine's target."""
     target = spec.target.get("device_type", "cpu")
-    dev = torch.device(device if device is not None else target)
+    where = f"engine {spec.engine_dir} targets {target}"
+    try:
+        dev = torch.device(device if device is not None else target)
+    except RuntimeError:  # torch's own message lists every device type it knows
+        raise EngineError(f"device {device!r} is not a device kiln runs on: use cpu or cuda (cuda:N for GPU N); "
+                          f"{where}") from None
+    if dev.type not in BUILD_DEVICES:
+        raise EngineError(f"device {dev.type!r} is not supported: kiln runs on cpu or cuda; {where}, so use "
+                          f"--device {target} or leave --device out")
+    no_cuda = "no CUDA device is available here"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        if target == "cuda":
+            raise EngineError(f"{where} but {no_cuda}: run it on a machine with a CUDA GPU, or build an engine "
+                              f"for this machine with `kiln build --device cpu --checkpoint ... --output ...`")
+        raise EngineError(f"--device {device}: {no_cuda}; {where}: leave --device out")
     if dev.type != target:
-        raise EngineError(
-            f"engine {spec.engine_dir} was built for device type {target!r} but is loaded on {dev.type!r}; "
-            f"rebuild it with `kiln build --device {dev.type}`"
-        )
+        run_there = (f"run it with --device {target}" if target != "cuda" or torch.cuda.is_available() else
+                     f"run it on a machine with a CUDA GPU ({no_cuda})")
+        raise EngineError(f"engine {spec.engine_dir} was built for device type {target!r} but is loaded on "
+                          f"{dev.type!r}: {run_there}, or rebuild it with `kiln build --device {dev.type}` (same "
+                          f"--checkpoint, another --output) to run on {dev.type}")
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EngineError(f"engine {spec.engine_dir} targets CUDA but no CUDA device is available")
         cc = list(torch.cuda.get_device_capability(dev))
         built_cc = spec.target.get("compute_capability")
         if built_cc is not None and list(built_cc) != cc:

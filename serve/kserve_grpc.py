@@ -261,7 +261,9 @@ for _name in _UNIMPLEMENTED:
 
 
 def make_server(service: EngineService, config: ServeConfig) -> grpc.aio.Server:
-    """The gRPC server with the service added; the caller adds the port and starts it."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_request_bytes)])
+    """The gRPC server with the service added; the caller adds the port and starts it. SO_REUSEPORT is off
+    (gRPC turns it on by default): a second server on a taken port must fail, not share it and take clients."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_request_bytes),
+                                      ("grpc.so_reuseport", 0)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(service, config), server)
     return server

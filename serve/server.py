@@ -59,9 +59,7 @@ class KilnServer:
             self.http_port = await self._listen(make_http_app(self.service, c), c.http_port)
             self.metrics_port = await self._listen(make_metrics_app(self.service, c), c.metrics_port)
             self._grpc = kserve_grpc.make_server(self.service, c)
-            self.grpc_port = self._grpc.add_insecure_port(_grpc_address(c.host, c.grpc_port))
-            if self.grpc_port == 0:
-                raise OSError(f"cannot listen for gRPC on {_grpc_address(c.host, c.grpc_port)} (port in use?)")
+            self.grpc_port = self._add_grpc_port()
             await self._grpc.start()
         except BaseException:
             await self._close_listeners()
@@ -69,6 +67,19 @@ class KilnServer:
             raise
         logger.info("serving %s: HTTP %s:%d, gRPC %s:%d, metrics %s:%d", self.model_name, c.host, self.http_port,
                     c.host, self.grpc_port, c.host, self.metrics_port)
+
+    def _add_grpc_port(self) -> int:
+        """Binds the gRPC port; OSError naming it when it is taken (grpcio raises RuntimeError or returns 0)."""
+        c = self.config
+        address = _grpc_address(c.host, c.grpc_port)
+        try:
+            port = self._grpc.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"gRPC port {c.grpc_port} on {c.host} is in use (choose another --grpc-port), or "
+                          f"{c.host} is not an address of this machine")
+        return port
 
     async def _listen(self, app: web.Application, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its request

@@ -142,23 +142,26 @@ def _parse_row(row: Mapping[str, np.ndarray]) -> TritonRequest:
 
 
 def check_requested_outputs(names: Sequence[str], requests: Sequence[TritonRequest]) -> list[str]:
-    """The outputs to send: those asked for (all that apply when none are named)."""
-    logprobs = all(r.return_log_probs for r in requests)
+    """The outputs to send: those asked for (all that apply when none are named).
+
+    A log-prob output asked for without the input return_log_probs is sent, not refused, as TensorRT-LLM's
+    backend does: tools such as perf_analyzer and genai-perf ask for every output the metadata lists. Its
+    values are then not computed: output_log_probs has no entries and cum_log_probs is 0 (see make_outputs)."""
     if not names:
+        logprobs = all(r.return_log_probs for r in requests)
         return ["text_output", *(["output_log_probs", "cum_log_probs"] if logprobs else [])]
     for name in names:
         if name not in OUTPUT_SPECS:
             raise InvalidRequest(f"unknown output '{name}'; this model's outputs are {', '.join(OUTPUT_SPECS)}",
                                  name)
-        if name != "text_output" and not logprobs:
-            raise InvalidRequest(f"output '{name}' needs the input return_log_probs=true", name)
     return list(names)
 
 
 def make_outputs(names: Sequence[str], texts: Sequence[str],
                  logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, np.ndarray]:
     """One row per request: text_output [B, 1] BYTES, output_log_probs [B, N] FP32 (rows padded with 0),
-    cum_log_probs [B, 1] FP32."""
+    cum_log_probs [B, 1] FP32. A request without return_log_probs has no logprobs: its row of
+    output_log_probs is all padding ([B, 0] when no row has any) and its cum_log_probs 0."""
     out: dict[str, np.ndarray] = {}
     for name in names:
         if name == "text_output":

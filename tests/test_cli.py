@@ -99,7 +99,7 @@ def test_generate_missing_engine_exits_2_with_one_line(tmp_path, capsys):
 def test_generate_invalid_top_p_exits_2_naming_it(engine, capsys):
     assert main(["generate", "--engine", str(engine), "--prompt", "hi", "--top-p", "0"]) == 2
     err = _error_line(capsys)
-    assert err.startswith("kiln generate: error: ") and "top_p" in err
+    assert err.startswith("kiln generate: error: ") and "--top-p" in err
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -92,8 +92,8 @@ def test_cli_prints_perplexity_and_json(engine, capsys):
     (None, [], "no such file"),
     (b"", [], "the file is empty"),
     (b"\xff\xfe bad", [], "not UTF-8"),
-    (b"x = 1\n", ["--max-tokens", "1"], "max_tokens must be at least 2"),
-    (b"x = 1\n", ["--window", "5000"], "window_len 5000 exceeds"),
+    (b"x = 1\n", ["--max-tokens", "1"], "--max-tokens must be at least 2"),
+    (b"x = 1\n", ["--window", "5000"], "--window 5000 exceeds"),
 ])
 def test_cli_bad_input_exits_2_naming_the_problem(engine, tmp_path, capsys, content, args, message):
     text_file = tmp_path / "text.txt"

@@ -220,9 +220,9 @@ def test_request_larger_than_max_request_bytes_is_refused(server, client, refere
     assert text(client.infer(MODEL_NAME, inputs())) == PROMPTS[0] + reference[PROMPTS[0]].text
 
 
-def test_unrequested_log_probs_output_is_refused(client):
-    with pytest.raises(InferenceServerException, match="needs the input return_log_probs=true"):
-        client.infer(MODEL_NAME, inputs(), outputs=[triton.InferRequestedOutput("cum_log_probs")])
+def test_unrequested_log_probs_output_is_zero_not_an_error(client):
+    result = client.infer(MODEL_NAME, inputs(), outputs=[triton.InferRequestedOutput("cum_log_probs")])
+    assert result.as_numpy("cum_log_probs").tolist() == [[0.0]]
 
 
 def test_cancelled_infer_aborts_its_requests(server, client):

@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_kwargs
 
 
@@ -33,9 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_runtime_args(q)
     lat.add_argument("--num-iters", type=int, default=3, help="timed runs (default: 3)")
     lat.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: 1)")
-    lat.set_defaults(run=run_offline)
+    lat.set_defaults(run=run_offline, field_flags=field_flags(lat))
     thr.add_argument("--num-requests", type=int, default=1000, help="requests queued at once (default: 1000)")
-    thr.set_defaults(run=run_offline, num_iters=1, warmup=1)
+    thr.set_defaults(run=run_offline, num_iters=1, warmup=1, field_flags=field_flags(thr))
     s = kinds.add_parser(
         "serve", help="load an OpenAI-compatible server with Poisson arrivals",
         description="Send --num-prompts streaming requests to an OpenAI-compatible server, arriving as a Poisson "
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     s.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default: 0)")
     s.add_argument("--output", default=None, help="also write the results as JSON to this file")
-    s.set_defaults(run=run)
+    s.set_defaults(run=run, field_flags=field_flags(s))
 
 
 def run(args: argparse.Namespace) -> int:

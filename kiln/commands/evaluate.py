@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_kwargs
 
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="tokens per window (default and most: the engine's max_seq_len - 1)")
     add_runtime_args(ppl)
     ppl.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    ppl.set_defaults(run=run)
+    ppl.set_defaults(run=run, field_flags=field_flags(ppl, {"window_len": "window"}))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,8 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.perplexity import perplexity
 
     path = Path(args.text_file)
+    if path.is_dir():
+        raise ValueError(f"--text-file {path}: is a directory; give a UTF-8 text file")
     if not path.is_file():
-        raise ValueError(f"--text-file {path}: no such file")
+        raise ValueError(f"--text-file {path}: no such file" if not path.exists() else
+                         f"--text-file {path}: not a regular file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
+from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_kwargs
 
 
@@ -20,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     add_runtime_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, field_flags=field_flags(p))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,10 +33,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(args.engine, **runtime_kwargs(args))
     loaded = time.perf_counter()
+    stream = llm.stream(args.prompt, params)
+    first = next(stream, None)  # checks the request (prompt length, max_tokens) before anything is printed
+    sys.stdout.write(args.prompt)
     shown = 0
     out = None
-    sys.stdout.write(args.prompt)
-    for out in llm.stream(args.prompt, params):
+    for out in itertools.chain([first] if first is not None else [], stream):
         sys.stdout.write(out.text[shown:])
         sys.stdout.flush()
         shown = len(out.text)

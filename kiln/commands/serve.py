@@ -7,6 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_kwargs
 
 
@@ -62,7 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
     add_runtime_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, field_flags=field_flags(p, {"shutdown_timeout_s": "shutdown_timeout",
+                                                         "keep_alive_timeout_s": "keep_alive_timeout",
+                                                         "body_timeout_s": "body_timeout"}))
 
 
 def run(args: argparse.Namespace) -> int:

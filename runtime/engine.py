@@ -20,6 +20,7 @@ from .executor import Executor
 from .memory import MemoryReport
 from .model_step import StepInput
 from .outputs import RequestOutput
+from .prompt_logprobs import PromptLogprobTarget
 from .request import Request, RequestStatus
 from .sampler import DeviceSample, Sampler, SamplingRow
 from .sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class _Tracked:
     logprobs: list[float] | None
     prompt_logprobs: list[float | None] | None
     top_logprobs: list[dict[int, float]] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,13 @@ class LLMEngine:
             generator.manual_seed(params.seed)
         self._tracked[request_id] = _Tracked(
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                               skip_special_tokens=params.skip_special_tokens),
             generator=generator,
             logprobs=[] if params.logprobs else None,
             top_logprobs=[] if params.top_logprobs else None,
             prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs else None,
+            prompt_top_logprobs=[None] * len(token_ids) if params.prompt_top_logprobs else None,
         )
         self.scheduler.add_request(request)
         return request_id
@@ -181,11 +185,15 @@ class LLMEngine:
         return [out for out in outputs if out is not None]
 
     def _launch(self, scheduled: SchedulerOutput) -> _Launched:
-        targets = {r.request_id: self._tracked[r.request_id].request.prompt_token_ids
-                   for r in scheduled.requests if self._tracked[r.request_id].prompt_logprobs is not None}
+        requests = (self._tracked[r.request_id].request for r in scheduled.requests)
+        targets = {r.request_id: PromptLogprobTarget(r.prompt_token_ids, r.sampling_params.prompt_top_logprobs)
+                   for r in requests if r.sampling_params.prompt_logprobs}
         result = self.executor.execute(StepInput(scheduled, targets))
-        for request_id, (first, values) in result.prompt_logprobs.items():
-            self._tracked[request_id].prompt_logprobs[first + 1:first + 1 + len(values)] = values
+        for request_id, (first, values, tops) in result.prompt_logprobs.items():
+            tracked = self._tracked[request_id]
+            tracked.prompt_logprobs[first + 1:first + 1 + len(values)] = values
+            if tops is not None:
+                tracked.prompt_top_logprobs[first + 1:first + 1 + len(tops)] = tops
         if result.logits_offsets[-1] == len(result.request_ids) == len(result.logits_offsets) - 1:
             row_ids = list(result.request_ids)  # one row each: a decode batch, the common case
         else:
@@ -219,8 +227,9 @@ class LLMEngine:
             # One token per sampled row today; a draft verifier will accept a prefix of them here.
             status, last_adds_text, kept = None, True, end_row - first_row
             for n, token in enumerate(out.token_ids[first_row:end_row], start=1):
-                # EOS and stop token ids end the request without adding their text.
-                if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                # EOS and stop token ids end the request without adding their text (after min_tokens).
+                if ((token in eos and not params.ignore_eos) or token in params.stop_token_ids) \
+                        and num_output + n > params.min_tokens:
                     status, last_adds_text = RequestStatus.FINISHED_STOPPED, False
                 elif num_output + n >= params.max_tokens or num_tokens + n >= max_seq_len:
                     status = RequestStatus.FINISHED_LENGTH
@@ -284,6 +293,8 @@ class LLMEngine:
             logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
             top_logprobs=list(tracked.top_logprobs) if tracked.top_logprobs is not None else None,
             prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None,
+            prompt_top_logprobs=(list(tracked.prompt_top_logprobs) if tracked.prompt_top_logprobs is not None
+                                 else None),
             num_cached_tokens=r.num_cached_prompt_tokens,
         )
 

@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .prompt_logprobs import PromptLogprobs, PromptLogprobTarget
 from .scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
 class StepInput:
     schedule: SchedulerOutput
-    # request id -> its prompt token ids, for the requests that asked for prompt logprobs (the targets
-    # that this step's prompt positions predict).
-    prompt_logprob_targets: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> its prompt token ids (the targets that this step's prompt positions predict) and how many
+    # top tokens per position, for the requests that asked for prompt logprobs.
+    prompt_logprob_targets: dict[str, PromptLogprobTarget] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,9 @@ class StepResult:
     # Request i's sampled rows are logits[logits_offsets[i]:logits_offsets[i + 1]] (none for a prefill
     # chunk that does not reach the end of its prompt); the last entry is R.
     logits_offsets: tuple[int, ...]
-    # request id -> (first prompt position p, logprobs of prompt[p+1], prompt[p+2], ...) for requests that
-    # asked for prompt logprobs and computed prompt tokens this step.
-    prompt_logprobs: dict[str, tuple[int, list[float]]] = field(default_factory=dict)
+    # request id -> (first prompt position p, logprobs of prompt[p+1], prompt[p+2], ..., their positions' top
+    # tokens when asked) for requests that asked for prompt logprobs and computed prompt tokens this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     def rows_of(self, index: int) -> range:
         """The logits rows of the `index`-th scheduled request."""

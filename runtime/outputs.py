@@ -16,6 +16,9 @@ class RequestOutput:
     # per generated token, its top_logprobs most likely tokens {token id: logprob}, when asked
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None  # per prompt token (None first), when asked
+    # per prompt token (None first), the prompt_top_logprobs most likely tokens {token id: logprob} of the
+    # model's distribution at that position, when asked
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property

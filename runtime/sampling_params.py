@@ -24,7 +24,10 @@ class SamplingParams:
     token under the model's own distribution (log_softmax of the raw logits, before any of the
     processing above). `prompt_logprobs` returns, for each prompt token, its log-probability given the
     tokens before it (None for the first). `top_logprobs` (with `logprobs`) also returns, per generated
-    token, the most likely `top_logprobs` tokens of that same distribution.
+    token, the most likely `top_logprobs` tokens of that same distribution; `prompt_top_logprobs` (with
+    `prompt_logprobs`) does the same for every prompt position after the first. `min_tokens`: EOS and
+    `stop_token_ids` do not end the request before that many tokens are generated (stop strings still do).
+    `skip_special_tokens=False` keeps special tokens' text in the output text.
     """
 
     max_tokens: int = 16
@@ -42,6 +45,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
@@ -72,13 +78,19 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _require(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                      "must be non-negative integers")
-        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "must be True or False")
         _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                  self.top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _require(self.top_logprobs == 0 or self.logprobs, "top_logprobs", self.top_logprobs,
                  "needs logprobs=True")
+        _require(_is_int(self.prompt_top_logprobs) and 0 <= self.prompt_top_logprobs <= MAX_TOP_LOGPROBS,
+                 "prompt_top_logprobs", self.prompt_top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _require(self.prompt_top_logprobs == 0 or self.prompt_logprobs, "prompt_top_logprobs",
+                 self.prompt_top_logprobs, "needs prompt_logprobs=True")
 
     @property
     def greedy(self) -> bool:

@@ -38,7 +38,7 @@ def _origin_middleware(config: ServeConfig):
 
 
 def make_http_app(service: EngineService, config: ServeConfig) -> web.Application:
-    from . import kserve_http, openai_api
+    from . import kserve_http, openai_api, utility_routes
 
     app = web.Application(client_max_size=config.max_request_bytes,
                           middlewares=[_origin_middleware(config), _protocol_middleware])
@@ -46,6 +46,7 @@ def make_http_app(service: EngineService, config: ServeConfig) -> web.Applicatio
     app[CONFIG] = config
     kserve_http.add_routes(app)
     openai_api.add_routes(app)
+    utility_routes.add_routes(app)  # /health, /version, /metrics, /tokenize, /detokenize (vLLM's)
     return app
 
 

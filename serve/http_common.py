@@ -15,8 +15,9 @@ from .http_body import parse_json_object, read_body
 
 SERVICE = web.AppKey("service", EngineService)
 CONFIG = web.AppKey("config", ServeConfig)
-# Probes (load balancers, Kubernetes) cannot send a key; these say nothing about the model.
-PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health"})
+# Probes (load balancers, Kubernetes) cannot send a key; these say nothing about the model. /metrics is open
+# as on the metrics port.
+PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/metrics"})
 
 
 def error_response(path: str, error: RequestError) -> web.Response:

@@ -3,7 +3,8 @@
 A request becomes one engine request per choice (prompt i, choice j -> choice index i*n+j), all run at once;
 the answer is one JSON object or, with `stream`, Server-Sent Events ending in `data: [DONE]`. A client that
 goes away aborts its engine requests, which frees their KV blocks. Every invalid field is a 400 naming it.
-Checking a request body and formatting the results live in openai_request.py; this file is the aiohttp side.
+Checking a request body and formatting the results live in openai_completions.py and openai_chat.py (with
+openai_request.py and openai_format.py); this file is the aiohttp side.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from .engine_service import Delta, EngineService
 from .errors import InvalidRequest, RequestError, Unavailable
 from .http_common import CONFIG, SERVICE, read_json
 from .limits import RequestLimits
-from .openai_request import Choice, Job, chat_job, check_model, completion_job, usage
+from .openai_chat import chat_job
+from .openai_completions import completion_job
+from .openai_request import Choice, Job, check_model, usage
 
 logger = logging.getLogger("kiln.serve")
 

@@ -220,7 +220,6 @@ def test_chat_without_a_template_is_a_400(tiny_code_engine):
     ({"prompt": "x " * 500, "max_tokens": 600}, "prompt"),
     ({"suffix": "}"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
 ])

@@ -1,0 +1,122 @@
+"""/v1/chat/completions: checking the messages, rendering the chat template, and presenting the choices.
+`chat_messages` and `chat_prompt` also serve /tokenize."""
+
+from __future__ import annotations
+
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import MAX_TOP_LOGPROBS
+
+from . import openai_request as common
+from .client_json import check_values
+from .engine_service import Delta, EngineService
+from .errors import InvalidRequest
+from .limits import RequestLimits
+from .openai_format import chat_logprobs, stop_string
+from .openai_request import Choice, Job
+
+_CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+def chat_messages(messages) -> list[dict]:
+    """Checks the messages; content given as text parts is joined into one string for the template."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects",
+                             "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise InvalidRequest(f"messages[{i}] must be an object with a 'role' string and 'content'", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequest(f"messages[{i}].content: only {{\"type\": \"text\", \"text\": ...}} parts are "
+                                     "supported", "messages")
+            content = "\n".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        checked.append({**message, "content": content})
+    return checked
+
+
+def chat_prompt(service: EngineService, chat_template: str | None, messages: list[dict],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Renders the chat template and tokenizes it, adding the BOS token only if the template did not."""
+    tokenizer = service.tokenizer
+    if tokenizer is None:
+        raise InvalidRequest("this engine has no tokenizer, so it cannot serve chat; use /v1/completions with "
+                             "token ids", "messages")
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise InvalidRequest(f"model '{service.model_name}' has no chat template; start the server with "
+                             "`kiln serve --chat-template FILE` (a Jinja template) or use /v1/completions",
+                             "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # a template may reject any message (jinja's raise_exception, a missing key, ...)
+        raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+    bos = tokenizer.bos_token
+    return list(tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
+
+
+def _max_chat_tokens(service: EngineService, num_prompt_tokens: int) -> int:
+    """The default: as much as fits in both the sequence limit and the KV cache."""
+    stats = service.llm.kv_cache_stats()
+    room = min(service.max_seq_len, stats["total_blocks"] * stats["block_size"]) - num_prompt_tokens
+    if room < 1:
+        raise InvalidRequest(f"the messages take {num_prompt_tokens} tokens, leaving no room for a reply within "
+                             f"max_seq_len {service.max_seq_len}", "messages")
+    return room
+
+
+def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits) -> Job:
+    n, stream, include_usage = common.n_and_stream(body, limits)
+    limits.check_sequences(1, n)
+    check_values(body)
+    common.check_fields(body, _CHAT_FIELDS, n)
+    count_tokens = limits.prompt_tokens(service.llm.engine.tokenize, "messages")
+    token_ids = count_tokens(chat_prompt(service, chat_template, chat_messages(body.get("messages"))))
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = common.get_field(body, limit_field, None, int, "an integer >= 1")
+    if max_tokens is None:
+        max_tokens = _max_chat_tokens(service, len(token_ids))
+    else:
+        common.check_max_tokens(service, max_tokens, limit_field)
+    want_logprobs = common.get_field(body, "logprobs", False, bool, "true or false")
+    keep_stop = common.get_field(body, "include_stop_str_in_output", False, bool, "true or false")
+    names = {"max_tokens": limit_field, "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
+    top_logprobs = common.get_field(body, "top_logprobs", 0, int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    params = common.sampling_params(body, names, max_tokens=max_tokens, logprobs=want_logprobs,
+                                    top_logprobs=top_logprobs)
+    choices = [Choice(j, token_ids, p, j == 0, keep_stop=keep_stop)
+               for j, p in enumerate(common.seeded_choices(params, n, names))]
+    tokenizer = service.tokenizer
+    eos = service.llm.engine.eos_token_ids
+
+    def logprobs(token_ids, lps, tops) -> dict | None:
+        return chat_logprobs(tokenizer, token_ids, lps, tops) if want_logprobs else None
+
+    def text_of(choice: Choice, out: RequestOutput, text: str) -> str:
+        return text + stop_string(tokenizer, choice.params, eos, out) if choice.keep_stop and out.finished else text
+
+    def format_choice(choice: Choice, out: RequestOutput) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": text_of(choice, out, out.text)},
+                "finish_reason": out.finish_reason,
+                "logprobs": logprobs(out.token_ids, out.logprobs, out.top_logprobs)}
+
+    def format_delta(choice: Choice, delta: Delta, first: bool) -> list[dict]:
+        pieces = []
+        if first:
+            pieces.append({"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                           "finish_reason": None, "logprobs": None})
+        lps = logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
+        text = text_of(choice, delta.output, delta.text)
+        if text or lps and lps["content"] or delta.finished:
+            pieces.append({"index": choice.index, "delta": {"content": text} if text else {},
+                           "finish_reason": delta.finish_reason, "logprobs": lps})
+        return pieces
+
+    return Job(common.new_id("chatcmpl"), choices, stream, include_usage, "messages", "chat.completion",
+               "chat.completion.chunk", format_choice, format_delta, service.model_name)
+
+

@@ -18,6 +18,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_loader import EngineInfo, RuntimeConfig
 from .executor import Executor
 from .memory import MemoryReport
+from .min_tokens import apply_min_tokens
 from .model_step import StepInput
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobTarget
@@ -201,9 +202,11 @@ class LLMEngine:
         sample = None
         if row_ids:
             rows = [self._sampling_row(self._tracked[rid]) for rid in row_ids]
+            vocab_size, device = result.logits.shape[1], result.logits.device
             mask = None
             if self.token_masker is not None:
-                mask = self.token_masker.token_mask(row_ids, rows, result.logits.shape[1], result.logits.device)
+                mask = self.token_masker.token_mask(row_ids, rows, vocab_size, device)
+            mask = apply_min_tokens(mask, rows, self.eos_token_ids, vocab_size, device)
             sample = self.sampler.sample(result.logits, rows, mask)
         return _Launched(scheduled, result.request_ids, result.logits_offsets, sample)
 

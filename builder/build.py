@@ -85,12 +85,43 @@ def load_model_config(checkpoint: Path) -> tuple[ModelDef, ModelConfig]:
     return model_def, config
 
 
-def resolve_dtype(requested: str, config: ModelConfig) -> str:
+# CPU flags (/proc/cpuinfo) that mean native arithmetic for a 16-bit dtype: without one, every product
+# converts to float32 and back, and float32 runs faster.
+_CPU_FLAGS_FOR = {"bfloat16": ("avx512_bf16", "amx_bf16", "bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where /proc/cpuinfo cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def resolve_dtype(requested: str, config: ModelConfig, device: str = "cpu",
+                  flags: frozenset[str] | None = None) -> str:
+    """The engine dtype for `--dtype requested`. `auto` is the checkpoint's dtype (float32 when it names
+    none), except that a CPU engine of a bfloat16/float16 checkpoint is float32 unless the CPU has native
+    support for that dtype (`flags`, default: this machine's): what runs faster there. Logs the choice."""
     if requested != "auto":
         return requested
-    if config.torch_dtype in ENGINE_DTYPES:
-        return config.torch_dtype
-    return "float32"
+    checkpoint = config.torch_dtype if config.torch_dtype in ENGINE_DTYPES else None
+    chosen, why = checkpoint or "float32", "the checkpoint's dtype" if checkpoint else "the checkpoint names none"
+    if device == "cpu" and chosen in _CPU_FLAGS_FOR:
+        flags = cpu_flags() if flags is None else flags
+        native = sorted(flags.intersection(_CPU_FLAGS_FOR[chosen]))
+        if native:
+            why = f"the checkpoint's dtype; this CPU computes it natively ({', '.join(native)})"
+        else:
+            chosen, why = "float32", (f"the checkpoint is {checkpoint} but this CPU lacks native {checkpoint} "
+                                      f"({' / '.join(_CPU_FLAGS_FOR[checkpoint])}), so float32 runs faster")
+    logger.info("--dtype auto for %s: %s (%s)", device, chosen, why)
+    return chosen
 
 
 def target_of(device: str) -> dict[str, Any]:
@@ -195,7 +226,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     if not checkpoint.is_dir():
         raise BuildError(f"checkpoint directory {checkpoint} does not exist")
     model_def, model_config = load_model_config(checkpoint)
-    dtype_name = resolve_dtype(config.dtype, model_config)
+    dtype_name = resolve_dtype(config.dtype, model_config, config.device)
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     if max_seq_len > model_config.max_position_embeddings:
         logger.warning("max_seq_len %d exceeds the model's max_position_embeddings %d: quality past the "

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous
+from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 
 
@@ -30,6 +31,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_last_dim_contiguous("x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[-1]}")
+    if runs_reference_directly(x):
+        return silu_and_mul_reference(x)
     return _silu_and_mul_op(x)
 
 

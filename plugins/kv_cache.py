@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_dims, check_dtype, check_same_device, check_size
+from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 
 
@@ -16,12 +17,13 @@ def write_kv_cache_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     # k, v: [T, Hk, D]; slot_mapping: [T] int64
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hk, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat[slots] = k[valid].to(k_cache.dtype)
-    v_flat[slots] = v[valid].to(v_cache.dtype)
+    if slot_mapping.numel() and slot_mapping.min() < 0:  # padding tokens write nothing
+        valid = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 _write_kv_cache_op = torch.library.custom_op("kiln::write_kv_cache", mutates_args=("k_cache", "v_cache"))(
@@ -57,7 +59,8 @@ def write_kv_cache(
 ) -> None:
     """Writes k, v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64."""
     check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
-    _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping)
+    op = write_kv_cache_reference if runs_reference_directly(k) else _write_kv_cache_op
+    op(k, v, k_cache, v_cache, slot_mapping)
 
 
 if USE_TRITON:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_same_device, check_size
+from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 
 
@@ -27,12 +28,15 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())
-def _fused_add_rms_norm_op(
+def fused_add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
     return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+_fused_add_rms_norm_op = torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())(
+    fused_add_rms_norm_reference)
 
 
 @_fused_add_rms_norm_op.register_fake
@@ -51,6 +55,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. x: [..., H]; weight: [H] (same dtype) -> [..., H]."""
     _check(x, weight)
+    if runs_reference_directly(x):
+        return rms_norm_reference(x, weight, eps)
     return _rms_norm_op(x, weight, eps)
 
 
@@ -66,7 +72,8 @@ def fused_add_rms_norm(
         raise ValueError(
             f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}"
         )
-    return _fused_add_rms_norm_op(x, residual, weight, eps)
+    op = fused_add_rms_norm_reference if runs_reference_directly(x) else _fused_add_rms_norm_op
+    return op(x, residual, weight, eps)
 
 
 if USE_TRITON:

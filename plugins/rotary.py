@@ -16,6 +16,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
+from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 
 
@@ -70,7 +71,8 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
     check_rotary_args(q, k, cos, sin)
-    return _rotary_op(q, k, cos, sin)
+    op = rotary_embedding_reference if runs_reference_directly(q) else _rotary_op
+    return op(q, k, cos, sin)
 
 
 if USE_TRITON:

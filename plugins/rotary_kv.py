@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 from .kv_cache import check_kv_write_args, write_kv_cache_reference
 from .rotary import check_rotary_args, rotary_embedding_reference
@@ -41,7 +42,8 @@ def rotary_embedding_and_write_kv(
     token), and returns the rotated q: [T, Hq, D]."""
     check_rotary_args(q, k, cos, sin)
     check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
-    return _rotary_kv_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    op = rotary_embedding_and_write_kv_reference if runs_reference_directly(q) else _rotary_kv_op
+    return op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 if USE_TRITON:

@@ -59,9 +59,9 @@ def test_random_prompts_are_seeded_and_in_the_vocabulary():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--input-len", "0"], "input_len=0 must be a positive integer"),
+    (["--input-len", "0"], "--input-len 0 must be a positive integer"),
     (["--output-len", "200"], "exceeds max_seq_len 128"),
-    (["--kv-cache-memory-fraction", "1.5"], "kv_cache_memory_fraction=1.5 must be in (0, 1]"),
+    (["--kv-cache-memory-fraction", "1.5"], "--kv-cache-memory-fraction 1.5 must be in (0, 1]"),
 ])
 def test_bench_bad_arguments_exit_2_naming_them(engine, args, message, capsys):
     assert main(["bench", "latency", "--engine", str(engine), *args]) == 2

@@ -198,7 +198,9 @@ def bf16_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(("requested", "expected"), [("auto", torch.bfloat16), ("float16", torch.float16)])
 def test_dtype_auto_follows_the_checkpoint_and_explicit_dtype_overrides(bf16_checkpoint, tmp_path, requested,
-                                                                          expected):
+                                                                          expected, monkeypatch):
+    # On a CPU that computes bfloat16 natively (tests/test_resolve_dtype.py covers the others).
+    monkeypatch.setattr("kiln.builder.build.cpu_flags", lambda *args: frozenset({"avx512_bf16"}))
     checkpoint, model = bf16_checkpoint
     engine = build(checkpoint, tmp_path / "engine", dtype=requested)
     name = str(expected).removeprefix("torch.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -38,5 +39,7 @@ def run(args: argparse.Namespace) -> int:
                          kv_block_size=args.kv_block_size, dummy_weights=args.dummy_weights)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
-    print(f"engine written to {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]
+    picked = f" ({dtype}, picked by --dtype auto for {args.device})" if args.dtype == "auto" else f" ({dtype})"
+    print(f"engine written to {out}{picked} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0

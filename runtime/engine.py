@@ -11,10 +11,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer
 from .engine_loader import EngineInfo, RuntimeConfig
 from .executor import Executor
 from .memory import MemoryReport
@@ -23,23 +20,13 @@ from .model_step import StepInput
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobTarget
 from .request import Request, RequestStatus
-from .sampler import DeviceSample, Sampler, SamplingRow
+from .sampler import DeviceSample, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from .token_mask import TokenMasker
+from .tracked_request import TrackedRequest
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(eq=False)
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    logprobs: list[float] | None
-    prompt_logprobs: list[float | None] | None
-    top_logprobs: list[dict[int, float]] | None = None
-    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,12 +55,12 @@ class LLMEngine:
         # The sampler's token-mask stage (guided decoding sets it); None: every token may be sampled.
         self.token_masker: TokenMasker | None = None
         self.eos_token_ids = frozenset(info.model_config.eos_token_ids)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self._ids = itertools.count()
         self._inflight: _Launched | None = None
         # Tokens read back but not yet turned into text: (request, token, its index among the request's
         # output tokens, whether the token adds text).
-        self._pending: list[tuple[_Tracked, int, int, bool]] = []
+        self._pending: list[tuple[TrackedRequest, int, int, bool]] = []
         self.num_preemptions = 0
 
     @property
@@ -130,20 +117,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, self.eos_token_ids)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runtime.device)
-            generator.manual_seed(params.seed)
-        self._tracked[request_id] = _Tracked(
-            request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
-                                               skip_special_tokens=params.skip_special_tokens),
-            generator=generator,
-            logprobs=[] if params.logprobs else None,
-            top_logprobs=[] if params.top_logprobs else None,
-            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs else None,
-            prompt_top_logprobs=[None] * len(token_ids) if params.prompt_top_logprobs else None,
-        )
+        self._tracked[request_id] = TrackedRequest.start(request, self.tokenizer, self.runtime.device)
         self.scheduler.add_request(request)
         return request_id
 
@@ -158,7 +132,7 @@ class LLMEngine:
                 tracked.detokenizer.add_token(item[1])
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._release(request_id)
-        return self._output(tracked)
+        return tracked.output()
 
     def has_unfinished(self) -> bool:
         """Whether step() has more to do: requests to run, a step in flight, or outputs not yet handed out."""
@@ -201,7 +175,7 @@ class LLMEngine:
             row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
         sample = None
         if row_ids:
-            rows = [self._sampling_row(self._tracked[rid]) for rid in row_ids]
+            rows = [self._tracked[rid].sampling_row() for rid in row_ids]
             vocab_size, device = result.logits.shape[1], result.logits.device
             mask = None
             if self.token_masker is not None:
@@ -257,7 +231,7 @@ class LLMEngine:
             del self._tracked[request_id]
             self._release(request_id)
 
-    def _emit(self, tracked: _Tracked, token: int, index: int, add_text: bool) -> RequestOutput | None:
+    def _emit(self, tracked: TrackedRequest, token: int, index: int, add_text: bool) -> RequestOutput | None:
         """Adds a token's text (ending the request if it completes a stop string) and builds the update;
         None for a token after a stop string that ended its request within the same step."""
         request = tracked.request
@@ -274,32 +248,11 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 del self._tracked[request.request_id]
                 self._release(request.request_id)
-        return self._output(tracked)
+        return tracked.output()
 
     def _release(self, request_id: str) -> None:
         if self.token_masker is not None:
             self.token_masker.release(request_id)
-
-    def _sampling_row(self, tracked: _Tracked) -> SamplingRow:
-        r = tracked.request
-        return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, tracked.generator)
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        r = tracked.request
-        finished = r.status.finished
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
-            token_ids=list(r.output_token_ids),
-            text=tracked.detokenizer.readable_text(finished),
-            finish_reason=r.status.value if finished else None,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            top_logprobs=list(tracked.top_logprobs) if tracked.top_logprobs is not None else None,
-            prompt_logprobs=list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None,
-            prompt_top_logprobs=(list(tracked.prompt_top_logprobs) if tracked.prompt_top_logprobs is not None
-                                 else None),
-            num_cached_tokens=r.num_cached_prompt_tokens,
-        )
 
     # ---- introspection -------------------------------------------------------------------------
     def kv_cache_stats(self) -> dict[str, int]:

@@ -36,6 +36,16 @@ def test_build_writes_the_engine_with_the_flags_limits(engine):
         "dtype": "float32", "max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 128, "kv_block_size": 8}
 
 
+def test_build_says_which_dtype_auto_picked(checkpoint, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["build", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--max-seq-len", "64"]) == 0
+    assert "(float32, picked by --dtype auto for cpu)" in capsys.readouterr().err
+    assert main(["build", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "f"), "--max-seq-len", "64",
+                 "--dtype", "float16"]) == 0
+    err = capsys.readouterr().err
+    assert "(float16) in" in err and "picked" not in err
+
+
 def test_generate_prints_the_prompt_and_its_greedy_completion(engine, capsys):
     capsys.readouterr()
     assert main(["generate", "--engine", str(engine), "--prompt", "the cat", "--max-tokens", "5"]) == 0

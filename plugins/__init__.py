@@ -5,8 +5,10 @@ from .activation import silu_and_mul
 from .attention import paged_attention
 from .kv_cache import write_kv_cache
 from .norm import fused_add_rms_norm, rms_norm
+from .quant_linear import scaled_linear, weight_only_linear
 from .rotary import rotary_embedding
 from .rotary_kv import rotary_embedding_and_write_kv
 
 __all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
-           "rotary_embedding_and_write_kv", "silu_and_mul", "write_kv_cache"]
+           "rotary_embedding_and_write_kv", "scaled_linear", "silu_and_mul", "weight_only_linear",
+           "write_kv_cache"]

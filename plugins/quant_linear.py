@@ -1,0 +1,273 @@
+"""Quantized linear layers: y = x @ W^T (+ bias) with W stored in 8 or 4 bits.
+
+Two operators, after the quantization formats kiln builds:
+- `scaled_linear` (W8A8, FP8 e4m3 or INT8): the activations are quantized too, with a static per-tensor
+  scale or a dynamic per-token one, and the product runs on quantized values; the scales multiply the
+  accumulator afterwards.
+- `weight_only_linear` (W8A16, W4A16 with groups, e.g. AWQ / GPTQ): the weight is dequantized to the
+  activation dtype and multiplied in floating point.
+
+The references follow "dequantize, compute in float32, round exactly as the GPU kernel will": each
+rounding step a kernel takes (activation quantization, the dequantized weight in the activation dtype)
+happens here too, so a kernel can be tested against them tightly. Pure torch ops: they run on CUDA tensors
+as well until the kernels are registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    FLOAT_DTYPES,
+    check_dims,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_size,
+)
+from ._eager import runs_reference_directly
+from .int4_pack import unpack_int4
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+INT8_MAX = 127.0
+# Floor of a dynamic per-token scale: an all-zero row would otherwise divide 0 by 0 (NaN); with the floor it
+# quantizes to zeros and gives zeros.
+MIN_DYNAMIC_SCALE = 1e-12
+SCALED_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
+
+def _int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a: [T, K] int8 @ b: [N, K] int8 ^T -> [T, N] int32, the exact integer sums (what an int32
+    accumulator gives; exact while K < 2^31 / 128^2 = 131072)."""
+    # float32 is not exact: products reach 128^2 and sums pass 2^24 within a few thousand columns.
+    # torch._int_mm accumulates in int32: on the CPU it takes any shape (seen in torch 2.11 and 2.13; a build
+    # without the CPU kernel raises and falls back), on CUDA it wants T > 16 and K, N multiples of 8.
+    # Elsewhere float64 is exact: every product and partial sum is an integer far below 2^53.
+    t, k = a.shape
+    n = b.shape[0]
+    int_mm = getattr(torch, "_int_mm", None)
+    if int_mm is not None and (a.device.type == "cpu" or (t > 16 and k % 8 == 0 and n % 8 == 0)):
+        try:
+            return int_mm(a, b.t())
+        except (RuntimeError, NotImplementedError):  # a build without the kernel: float64 below
+            pass
+    return (a.double() @ b.double().t()).to(torch.int32)
+
+
+def scaled_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    pre_quant_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    # x: [T, K] float; weight: [N, K] float8_e4m3fn or int8; weight_scale: [N] float32;
+    # input_scale: [1] float32 or None (dynamic, per token); bias: [N] x.dtype; pre_quant_scale: [K] float32
+    # -> [T, N] x.dtype
+    xs = x.float()
+    if pre_quant_scale is not None:
+        xs = xs * pre_quant_scale
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    qmax = FP8_MAX if fp8 else INT8_MAX
+    if input_scale is None:
+        # qmax as a tensor on x's device: CUDA divides by a Python scalar as a multiplication by its reciprocal,
+        # which is 1 ulp off now and then; a tensor divisor gives the same IEEE quotient on every device.
+        amax = xs.abs().amax(dim=-1, keepdim=True)  # [T, 1]
+        s_x = (amax / torch.full((), qmax, device=xs.device)).clamp(min=MIN_DYNAMIC_SCALE)  # [T, 1]
+    else:
+        s_x = input_scale  # [1]
+    if fp8:
+        # Saturate explicitly rather than leave an out-of-range value to the cast: e4m3fn has no infinity,
+        # and what a conversion makes of 1000.0 is its own choice (torch's CPU cast happens to give 448).
+        x_q = (xs / s_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [T, K]
+        # Products of two e4m3 values are exact in float32; the sum rounds as a float32 accumulator does.
+        acc = x_q.float() @ weight.float().t()  # [T, N]
+    else:
+        x_q = torch.round(xs / s_x).clamp(-128, 127).to(torch.int8)  # round half to even, as cvt.rni does
+        acc = _int8_matmul(x_q, weight).float()  # [T, N]
+    y = acc * s_x * weight_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+_scaled_linear_op = torch.library.custom_op("kiln::scaled_linear", mutates_args=())(scaled_linear_reference)
+
+
+@_scaled_linear_op.register_fake
+def _(x, weight, weight_scale, input_scale, bias, pre_quant_scale):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _check_vector(name: str, t: torch.Tensor, size: int, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    check_dims(name, t, 1)
+    check_dtype(name, t, dtypes)
+    check_size(name, t, 0, size, what)
+
+
+def _check_x(x: torch.Tensor, k: int, what: str) -> None:
+    check_dims("x", x, 2)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_last_dim_contiguous("x", x)
+    check_size("x", x, 1, k, what)
+
+
+def _check_bias_and_smoothing(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                              pre_quant_scale: torch.Tensor | None) -> None:
+    if bias is not None:
+        _check_vector("bias", bias, n, (x.dtype,), "output features of the weight")
+    if pre_quant_scale is not None:
+        _check_vector("pre_quant_scale", pre_quant_scale, k, (torch.float32,), "input features of the weight")
+
+
+def _optional(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in tensors.items() if t is not None}
+
+
+def scaled_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    pre_quant_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A8 linear: x: [T, K] float (last dim contiguous) -> [T, N] in x's dtype.
+
+    weight: [N, K] torch.float8_e4m3fn (FP8) or torch.int8 (INT8), contiguous; its real value is
+    weight[n, k] * weight_scale[n], weight_scale: [N] float32 (per-tensor or per-slice scales of a fused
+    layer are expanded to rows by the caller). input_scale: [1] float32, a static per-tensor activation
+    scale, or None for a dynamic per-token one (each row's amax / qmax, qmax = 448 for FP8, 127 for INT8).
+    pre_quant_scale: [K] float32 multiplies x before quantization (SmoothQuant / AWQ smoothing).
+    bias: [N] in x's dtype, added after the scales.
+    """
+    check_dims("weight", weight, 2)
+    check_dtype("weight", weight, SCALED_WEIGHT_DTYPES)
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
+    n, k = weight.shape
+    if k == 0:
+        raise ValueError("weight has K = 0 input features")
+    _check_x(x, k, "input features of the weight")
+    _check_vector("weight_scale", weight_scale, n, (torch.float32,), "output features of the weight")
+    if input_scale is not None:
+        _check_vector("input_scale", input_scale, 1, (torch.float32,), "one per-tensor scale")
+    _check_bias_and_smoothing(x, n, k, bias, pre_quant_scale)
+    check_same_device(x=x, weight=weight, weight_scale=weight_scale,
+                      **_optional(input_scale=input_scale, bias=bias, pre_quant_scale=pre_quant_scale))
+    op = scaled_linear_reference if runs_reference_directly(x) else _scaled_linear_op
+    return op(x, weight, weight_scale, input_scale, bias, pre_quant_scale)
+
+
+def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    # qweight: [N, K] int8 (bits 8) or [N, K // 2] uint8 (bits 4); scales, zeros: [N, G] -> [N, K] dtype
+    if bits == 8:
+        q = qweight.float()  # [N, K]
+    else:
+        u = unpack_int4(qweight).float()  # [N, K], 0..15
+        # Symmetric INT4 (ModelOpt's AWQ) stores q + 8; an asymmetric group stores q + its zero point.
+        q = u - 8.0 if zeros is None else u - zeros.float().repeat_interleave(group_size, dim=1)
+    n, k = q.shape
+    w = q.view(n, k // group_size, group_size) * scales[:, :, None]  # [N, G, group_size] float32
+    return w.view(n, k).to(dtype)
+
+
+def _check_quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                            group_size: int) -> int:
+    """Checks a weight-only quantized weight; returns its K (input features)."""
+    if type(bits) is not int or bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    check_dims("qweight", qweight, 2)
+    check_dtype("qweight", qweight, (torch.int8,) if bits == 8 else (torch.uint8,))
+    if not qweight.is_contiguous():
+        raise ValueError(f"qweight must be contiguous, got strides {qweight.stride()}")
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (8 // bits)
+    if k == 0:
+        raise ValueError("qweight has K = 0 input features")
+    if type(group_size) is not int or group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size!r} must be a positive divisor of K = {k}")
+    groups = k // group_size
+    check_dims("scales", scales, 2)
+    check_dtype("scales", scales, (torch.float32,))
+    check_size("scales", scales, 0, n, "output features of qweight")
+    check_size("scales", scales, 1, groups, f"groups: K = {k} / group_size = {group_size}")
+    if zeros is not None:
+        if bits == 8:
+            raise ValueError("zeros must be None for 8-bit weights (symmetric only)")
+        check_dims("zeros", zeros, 2)
+        check_dtype("zeros", zeros, (torch.uint8,))
+        check_size("zeros", zeros, 0, n, "output features of qweight")
+        check_size("zeros", zeros, 1, groups, f"groups: K = {k} / group_size = {group_size}")
+    check_same_device(qweight=qweight, scales=scales, **_optional(zeros=zeros))
+    return k
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                      group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The real weight [N, K] in `dtype` of a weight-only quantized one, as weight_only_linear sees it.
+
+    bits=8: qweight: [N, K] int8, symmetric (zeros None). bits=4: qweight: [N, K // 2] uint8 from
+    pack_int4, nibble u meaning u - 8 (zeros None) or u - zeros[n, g]. scales: [N, K // group_size] float32;
+    zeros: [N, K // group_size] uint8 (0..15) or None. Value = q * scale in float32, then cast to dtype.
+    """
+    _check_quantized_weight(qweight, scales, zeros, bits, group_size)
+    return _dequantize(qweight, scales, zeros, bits, group_size, dtype)
+
+
+def weight_only_linear_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None,
+    pre_quant_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    # The op's arguments are all positional: torch.library takes no keyword-only Tensor arguments.
+    # x: [T, K] float; qweight: [N, K] int8 or [N, K // 2] uint8; scales, zeros: [N, K // group_size];
+    # bias: [N] x.dtype; pre_quant_scale: [K] float32 -> [T, N] x.dtype
+    # A W4A16 kernel smooths x in its own dtype and multiplies it with the weight dequantized to that dtype.
+    xs = x if pre_quant_scale is None else (x.float() * pre_quant_scale).to(x.dtype)
+    w = _dequantize(qweight, scales, zeros, bits, group_size, x.dtype)  # [N, K]
+    y = xs.float() @ w.float().t()  # [T, N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+_weight_only_linear_op = torch.library.custom_op("kiln::weight_only_linear", mutates_args=())(
+    weight_only_linear_reference)
+
+
+@_weight_only_linear_op.register_fake
+def _(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+def weight_only_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+    *,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    pre_quant_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A16 / W4A16 linear: x: [T, K] float (last dim contiguous) -> [T, N] in x's dtype.
+
+    The weight (see dequantize_weight for qweight, scales, zeros) is dequantized to x's dtype and multiplied
+    in float32. group_size divides K; per-channel weights pass group_size = K (scales [N, 1]).
+    pre_quant_scale: [K] float32 multiplies x (in x's dtype) first (AWQ smoothing). bias: [N] in x's dtype.
+    """
+    k = _check_quantized_weight(qweight, scales, zeros, bits, group_size)
+    _check_x(x, k, "input features of qweight")
+    _check_bias_and_smoothing(x, qweight.shape[0], k, bias, pre_quant_scale)
+    check_same_device(x=x, qweight=qweight, **_optional(bias=bias, pre_quant_scale=pre_quant_scale))
+    op = weight_only_linear_reference if runs_reference_directly(x) else _weight_only_linear_op
+    return op(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale)

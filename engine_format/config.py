@@ -6,6 +6,8 @@ weights) resolves into an `EngineBuildConfig`; the runtime never sees the builde
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
@@ -16,6 +18,12 @@ from .spec import ENGINE_JSON, EngineError, EngineSpec
 
 # The dtypes an engine may hold its weights and activations in (engine.json build_config.dtype).
 ENGINE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The dtypes a KV cache may hold (engine.json build_config.kv_cache_dtype): the engine dtypes, or one of the
+# quantized ones, which store k / k_scale and v / v_scale with one (k_scale, v_scale) pair per layer.
+QUANTIZED_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+KV_CACHE_DTYPES = {**ENGINE_DTYPES, **QUANTIZED_KV_CACHE_DTYPES}
+
+KVCacheScales = tuple[tuple[float, float], ...]  # per layer (k_scale, v_scale)
 
 
 def _positive_int(value: Any) -> bool:
@@ -31,14 +39,18 @@ class EngineBuildConfig:
     max_num_tokens: int  # tokens per step (prefill chunks + decodes)
     max_seq_len: int  # prompt + output per request
     kv_block_size: int  # tokens per KV-cache block
-    kv_cache_dtype: str  # the KV cache's own dtype, separate from `dtype` (an FP8 cache will differ)
+    kv_cache_dtype: str  # the KV cache's own dtype, a key of KV_CACHE_DTYPES (separate from `dtype`)
     quantization: dict[str, Any] | None = None  # the weights' quantization, None for full precision
     dummy_weights: bool = False  # random weights from config.json alone (benchmarks)
+    # Per layer (k_scale, v_scale) of an "fp8" or "int8" cache (calibrated amax / 448 or amax / 127): a key k
+    # is stored as k / k_scale and read back as stored * k_scale. None, and only None, for a float cache.
+    # Its length is checked against the model's layers where the model config is known (the runtime).
+    kv_cache_scales: KVCacheScales | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in ENGINE_DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(ENGINE_DTYPES)}")
+        for name, allowed in (("dtype", ENGINE_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_block_size"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
@@ -46,6 +58,9 @@ class EngineBuildConfig:
             raise ValueError(f"quantization={self.quantization!r} must be an object or null")
         if not isinstance(self.dummy_weights, bool):
             raise ValueError(f"dummy_weights={self.dummy_weights!r} must be true or false")
+        # Frozen: the normalized form (a tuple of float pairs, whatever sequences came in) is set once here.
+        object.__setattr__(self, "kv_cache_scales", _check_kv_cache_scales(self.kv_cache_scales,
+                                                                           self.kv_cache_dtype))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -53,10 +68,19 @@ class EngineBuildConfig:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        return ENGINE_DTYPES[self.kv_cache_dtype]
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
+    def kv_cache_quantized(self) -> bool:
+        """Whether the KV cache stores scaled values (fp8, int8) that need `kv_cache_scales` to read."""
+        return self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON data: kv_cache_scales as a list of [k_scale, v_scale] lists."""
+        d = asdict(self)
+        if self.kv_cache_scales is not None:
+            d["kv_cache_scales"] = [list(pair) for pair in self.kv_cache_scales]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineBuildConfig:
@@ -70,6 +94,36 @@ class EngineBuildConfig:
         if missing:
             raise ValueError(f"missing key(s) {', '.join(missing)}")
         return cls(**d)
+
+
+def _positive_finite(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _check_kv_cache_scales(scales: Any, kv_cache_dtype: str) -> KVCacheScales | None:
+    """`scales` as a tuple of (k_scale, v_scale) float pairs; a ValueError naming the field and the value when
+    they are malformed, missing for a quantized cache or given for a float one."""
+    quantized = kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
+    if scales is None:
+        if quantized:
+            raise ValueError(f"kv_cache_scales=None: a kv_cache_dtype={kv_cache_dtype!r} cache needs one "
+                             f"[k_scale, v_scale] pair of positive numbers per layer")
+        return None
+    if not quantized:
+        raise ValueError(f"kv_cache_scales={scales!r} must be null for kv_cache_dtype={kv_cache_dtype!r} "
+                         f"(scales are for {' and '.join(QUANTIZED_KV_CACHE_DTYPES)} caches)")
+    if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence) or not scales:
+        raise ValueError(f"kv_cache_scales={scales!r} must be a non-empty list of [k_scale, v_scale] pairs, "
+                         f"one per layer")
+    pairs = []
+    for i, pair in enumerate(scales):
+        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+                or not all(_positive_finite(x) for x in pair)):
+            raise ValueError(f"kv_cache_scales[{i}]={pair!r} must be a [k_scale, v_scale] pair of positive "
+                             f"finite numbers")
+        pairs.append((float(pair[0]), float(pair[1])))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)

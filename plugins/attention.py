@@ -9,6 +9,10 @@ simply a chunk of length 1. GQA: query head h reads kv head h // (Hq // Hk).
 On CUDA (when `USE_TRITON`) the op runs the Triton kernels of triton_attention.py: a unified kernel
 for mixed batches, and a split-K decode path when T == S. Both take their launch shapes from tensor
 shapes only, never from tensor values, so they can be captured in CUDA graphs.
+
+A quantized cache (float8_e4m3fn, int8: see kv_cache.py) is read as cache.float() * scale, with per-layer
+k_scale, v_scale ([1] float32). The Triton kernels do not read such caches yet: on CUDA they run the
+reference, which reads lengths on the host (no CUDA graphs for them).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ._checks import (
 )
 from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
+from .kv_cache import KV_CACHE_DTYPES, check_kv_scales
 
 
 def paged_attention_reference(
@@ -37,9 +42,12 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [T, Hq, D]; k_cache, v_cache: [N, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
-    # seq_lens: [S] int32; query_start_loc: [S+1] int32 -> out: [T, Hq, D], contiguous
+    # seq_lens: [S] int32; query_start_loc: [S+1] int32; k_scale, v_scale: [1] float32 for a quantized cache
+    # -> out: [T, Hq, D], contiguous
     # Math in float32, as torch's scaled_dot_product_attention (what transformers runs on the CPU) does it.
     out = q.new_empty(q.shape)
     starts = query_start_loc.tolist()
@@ -55,22 +63,31 @@ def paged_attention_reference(
             rows = torch.tensor([starts[s] for s in decodes], device=q.device)
             index = torch.tensor(decodes, device=q.device)
             tables, lengths = block_tables[index], seq_lens[index]
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, tables, lengths, [lens[s] for s in decodes],
-                                      scale, sliding_window)
+        out[rows] = _decode_attention(q[rows], (k_cache, k_scale), (v_cache, v_scale), tables, lengths,
+                                      [lens[s] for s in decodes], scale, sliding_window)
     for s, seq_len in enumerate(lens):
         if starts[s + 1] - starts[s] > 1:
-            out[starts[s]:starts[s + 1]] = _chunk_attention(q[starts[s]:starts[s + 1]], k_cache, v_cache,
-                                                            block_tables[s], seq_len, scale, sliding_window)
+            out[starts[s]:starts[s + 1]] = _chunk_attention(
+                q[starts[s]:starts[s + 1]], (k_cache, k_scale), (v_cache, v_scale), block_tables[s], seq_len,
+                scale, sliding_window)
     return out
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    # cache: [N, block_size, Hk, D]; tables: [..., max_blocks] -> [..., length, Hk, D] float32
-    block_size = cache.shape[1]
+# A cache and its dequantization scale ([1] float32), None for a float cache.
+ScaledCache = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _gather(cache: ScaledCache, tables: torch.Tensor, length: int) -> torch.Tensor:
+    # cache: [N, block_size, Hk, D] (and its scale); tables: [..., max_blocks] -> [..., length, Hk, D] float32
+    values, scale = cache
+    block_size = values.shape[1]
     blocks = tables[..., :-(-length // block_size)]
     # index_select copies whole blocks (memcpy per block); cache[blocks] copies element by element, 5x slower.
-    gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, *cache.shape[2:])
-    return gathered[..., :length, :, :].float()  # gathered: [..., nb * block_size, Hk, D]
+    gathered = values.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, *values.shape[2:])
+    out = gathered[..., :length, :, :].float()  # gathered: [..., nb * block_size, Hk, D]
+    if scale is not None:  # a quantized cache: out is a fresh float32 copy, scaled in place
+        out.mul_(scale)
+    return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
@@ -81,7 +98,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+def _chunk_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, table: torch.Tensor,
                      seq_len: int, scale: float, sliding_window: int) -> torch.Tensor:
     """One sequence's n query tokens (its last n positions) over its seq_len keys: q: [n, Hq, D] -> same."""
     n = q.shape[0]
@@ -96,7 +113,7 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, tables: torch.Tensor,
                       seq_lens: torch.Tensor, lens: list[int], scale: float, sliding_window: int) -> torch.Tensor:
     """B sequences of one query token each, keys padded to the longest: q: [B, Hq, D] -> [B, Hq, D].
     seq_lens: [B] int32, and `lens` the same on the host. A sequence of seq_len 0 (a padding row) gives zeros."""
@@ -129,7 +146,8 @@ _paged_attention_op = torch.library.custom_op("kiln::paged_attention", mutates_a
 
 
 @_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window):
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, k_scale=None,
+      v_scale=None):
     return q.new_empty(q.shape)
 
 
@@ -142,10 +160,14 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q: [T, Hq, D] over the paged cache; returns [T, Hq, D].
 
     sliding_window > 0 limits each query to the last `sliding_window` keys (itself included).
+    A float8_e4m3fn or int8 cache needs k_scale, v_scale ([1] float32 on its device): keys are read as
+    k_cache.float() * k_scale, values likewise; a float cache takes no scales.
     q may be a strided view (e.g. a slice of the fused qkv output) but its last dim must be contiguous;
     k_cache, v_cache must be contiguous. A sequence with seq_lens[s] == 0 (a padding row of a captured
     graph) gives zeros. Precondition: every sequence has at least one query token, so that T == S means
@@ -156,7 +178,7 @@ def paged_attention(
                         ("query_start_loc", query_start_loc, 1)):
         check_dims(name, t, nd)
     check_dtype("q", q, FLOAT_DTYPES)
-    check_dtype("k_cache", k_cache, FLOAT_DTYPES)
+    check_dtype("k_cache", k_cache, KV_CACHE_DTYPES)
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         check_dtype(name, t, (torch.int32,))
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -178,11 +200,20 @@ def paged_attention(
                       query_start_loc=query_start_loc)
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
+    check_kv_scales(k_cache, k_scale, v_scale)
     op = paged_attention_reference if runs_reference_directly(q) else _paged_attention_op
-    return op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), int(sliding_window))
+    return op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), int(sliding_window),
+              k_scale, v_scale)
 
 
 if USE_TRITON:
     from .triton_attention import paged_attention_triton
 
-    _paged_attention_op.register_kernel("cuda")(paged_attention_triton)
+    @_paged_attention_op.register_kernel("cuda")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, k_scale=None,
+          v_scale=None):
+        if k_scale is not None:  # quantized caches: no GPU kernel yet, the reference runs on CUDA tensors
+            return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             scale, sliding_window, k_scale, v_scale)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      sliding_window)

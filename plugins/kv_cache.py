@@ -2,28 +2,55 @@
 
 Cache layout (per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 A slot is block_id * block_size + offset; slot -1 means "skip" (padding tokens of a captured graph).
+
+A quantized cache (float8_e4m3fn or int8, TensorRT-LLM's FP8 / INT8 KV cache) stores k / k_scale and
+v / v_scale, rounded and saturated to the cache dtype; attention reads cache.float() * scale. The scales are
+per layer, [1] float32 tensors on the cache's device. The Triton kernels do not handle such caches yet: on
+CUDA a quantized cache runs the PyTorch reference (which syncs with the host: no CUDA graphs for it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_dims, check_dtype, check_same_device, check_size
+from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_same_device, check_size
 from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 
+# Cache dtypes that hold scaled values, with the largest magnitude each stores (saturation bound).
+QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
+KV_CACHE_DTYPES = FLOAT_DTYPES + QUANTIZED_KV_DTYPES
+_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in the quantized cache dtype: saturated to +-448 for FP8, rounded to nearest and saturated
+    to [-128, 127] for INT8. x: any shape; scale: [1] float32."""
+    scaled = x.float() / scale
+    if dtype == torch.int8:
+        return torch.round(scaled).clamp_(-128, 127).to(torch.int8)
+    return scaled.clamp_(-_FP8_MAX, _FP8_MAX).to(dtype)
+
 
 def write_kv_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    # k, v: [T, Hk, D]; slot_mapping: [T] int64
+    # k, v: [T, Hk, D]; slot_mapping: [T] int64; k_scale, v_scale: [1] float32 for a quantized cache
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hk, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     if slot_mapping.numel() and slot_mapping.min() < 0:  # padding tokens write nothing
         valid = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
-    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_scale is None:
+        k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    # index_copy_ has no float8 kernel on the CPU: copy the bytes (both quantized dtypes are one byte).
+    k_bytes = quantize_kv(k, k_scale, k_cache.dtype).view(torch.uint8)  # [T, Hk, D]
+    v_bytes = quantize_kv(v, v_scale, v_cache.dtype).view(torch.uint8)
+    k_flat.view(torch.uint8).index_copy_(0, slot_mapping, k_bytes)
+    v_flat.view(torch.uint8).index_copy_(0, slot_mapping, v_bytes)
 
 
 _write_kv_cache_op = torch.library.custom_op("kiln::write_kv_cache", mutates_args=("k_cache", "v_cache"))(
@@ -31,17 +58,39 @@ _write_kv_cache_op = torch.library.custom_op("kiln::write_kv_cache", mutates_arg
 
 
 @_write_kv_cache_op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping):
+def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
 
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> None:
+    """Raises ValueError unless a quantized cache gets both scales ([1] float32 on its device) and a float
+    cache none; attention checks its caches' scales with it too."""
+    quantized = k_cache.dtype in QUANTIZED_KV_DTYPES
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            if quantized:
+                raise ValueError(f"{name} is required for a {k_cache.dtype} KV cache (it stores x / scale)")
+            continue
+        if not quantized:
+            raise ValueError(f"{name} is given but the KV cache is {k_cache.dtype}: scales are only for "
+                             f"{' and '.join(str(d) for d in QUANTIZED_KV_DTYPES)} caches")
+        if tuple(scale.shape) != (1,):
+            raise ValueError(f"{name} must have shape (1,), got {tuple(scale.shape)}")
+        check_dtype(name, scale, (torch.float32,))
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device} but the KV cache is on {k_cache.device}")
+
+
 def check_kv_write_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
+                        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """Raises ValueError naming the bad argument of a KV-cache write; the fused rotary + write uses it too."""
     for name, t, nd in (("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
                         ("slot_mapping", slot_mapping, 1)):
         check_dims(name, t, nd)
     check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    check_dtype("k_cache", k_cache, KV_CACHE_DTYPES)
     if v.shape != k.shape:
         raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -52,18 +101,27 @@ def check_kv_write_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    check_kv_scales(k_cache, k_scale, v_scale)
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes k, v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64."""
-    check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
+    """Writes k, v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64.
+
+    A float8_e4m3fn or int8 cache needs k_scale, v_scale ([1] float32, on the cache's device) and stores
+    k / k_scale, v / v_scale; a float cache takes no scales."""
+    check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     op = write_kv_cache_reference if runs_reference_directly(k) else _write_kv_cache_op
-    op(k, v, k_cache, v_cache, slot_mapping)
+    op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 if USE_TRITON:
     from .triton_rotary_kv import write_kv_cache_triton
 
-    _write_kv_cache_op.register_kernel("cuda")(write_kv_cache_triton)
+    @_write_kv_cache_op.register_kernel("cuda")
+    def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        if k_scale is not None:  # quantized caches: no GPU kernel yet, the reference runs on CUDA tensors
+            return write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)

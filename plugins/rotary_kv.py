@@ -1,6 +1,9 @@
 """Rotary embedding fused with the KV-cache write: rotates q and k, stores the rotated k and v in the paged
 cache and returns the rotated q. Same result as rotary_embedding followed by write_kv_cache, but the GPU
 runs one kernel per layer instead of two (and the rotated k never round-trips through memory).
+
+A quantized cache (float8_e4m3fn, int8) takes k_scale, v_scale as write_kv_cache does; on CUDA it runs the
+PyTorch reference, as the Triton kernel does not quantize yet.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from .rotary import check_rotary_args, rotary_embedding_reference
 def rotary_embedding_and_write_kv_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q: [T, Hq, D]; k, v: [T, Hk, D]; cos, sin: [T, D/2] float32; caches: [N, block_size, Hk, D]
+    # q: [T, Hq, D]; k, v: [T, Hk, D]; cos, sin: [T, D/2] float32; caches: [N, block_size, Hk, D];
+    # k_scale, v_scale: [1] float32 for a quantized cache
     q_rot, k_rot = rotary_embedding_reference(q, k, cos, sin)
-    write_kv_cache_reference(k_rot, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache_reference(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q_rot
 
 
@@ -29,24 +34,31 @@ _rotary_kv_op = torch.library.custom_op(
 
 
 @_rotary_kv_op.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
 def rotary_embedding_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotates q: [T, Hq, D] and k: [T, Hk, D] by cos, sin: [T, D/2] (float32), writes the rotated k and
     v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64 (-1 skips a
-    token), and returns the rotated q: [T, Hq, D]."""
+    token), and returns the rotated q: [T, Hq, D]. A float8_e4m3fn or int8 cache needs k_scale, v_scale
+    ([1] float32 on its device) and stores k / k_scale, v / v_scale; a float cache takes no scales."""
     check_rotary_args(q, k, cos, sin)
-    check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
+    check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     op = rotary_embedding_and_write_kv_reference if runs_reference_directly(q) else _rotary_kv_op
-    return op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 if USE_TRITON:
     from .triton_rotary_kv import rotary_embedding_and_write_kv_triton
 
-    _rotary_kv_op.register_kernel("cuda")(rotary_embedding_and_write_kv_triton)
+    @_rotary_kv_op.register_kernel("cuda")
+    def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        if k_scale is not None:  # quantized caches: no GPU kernel yet, the reference runs on CUDA tensors
+            return rotary_embedding_and_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                                           k_scale, v_scale)
+        return rotary_embedding_and_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

@@ -21,7 +21,7 @@ import torch
 from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 
-from .kv_cache import LayerCache
+from .kv_cache import LayerCache, LayerScales
 from .scheduler import SchedulerOutput
 from .step_inputs import rope_length, slot_of
 
@@ -73,7 +73,8 @@ class DecodeGraphs:
     """Captured decode steps for `capture_sizes(max_batch_size)`; `run` replays the one that fits."""
 
     def __init__(self, model: CausalLM, kv_caches: tuple[LayerCache, ...], *,
-                 max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+                 kv_scales: tuple[LayerScales, ...] | None = None) -> None:
         self.model = model
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
@@ -93,6 +94,7 @@ class DecodeGraphs:
         self._np_seq_lens = self._host_seq_lens.numpy()
         self._np_tables = self._host_tables.numpy()
         self._kv_caches = kv_caches
+        self._kv_scales = kv_scales  # fixed device tensors, like the caches: safe to capture
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # size -> [size, V] float32, written by that graph
 
@@ -100,7 +102,8 @@ class DecodeGraphs:
         return ForwardContext(
             positions=self._ints[1, :size], rope_lengths=self._ints[2, :size], slot_mapping=self._ints[3, :size],
             block_tables=self._tables[:size], seq_lens=self._seq_lens[:size],
-            query_start_loc=self._query_start_loc[:size + 1], kv_caches=self._kv_caches, max_rope_length=0)
+            query_start_loc=self._query_start_loc[:size + 1], kv_caches=self._kv_caches, max_rope_length=0,
+            kv_scales=self._kv_scales)
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self._ints[0, :size], self._context(size))  # [size, H]

@@ -8,6 +8,7 @@ the same three members.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from kiln.model_defs import CausalLM
@@ -33,15 +34,18 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """One rank in this process: a ModelRunner over an already loaded network."""
+    """One rank in this process: a ModelRunner over an already loaded network. `kv_cache_scales`: the
+    engine's per-layer (k_scale, v_scale) for a quantized (FP8, INT8) KV cache, None for a float cache."""
 
-    def __init__(self, model: CausalLM, runtime: RuntimeConfig) -> None:
+    def __init__(self, model: CausalLM, runtime: RuntimeConfig,
+                 kv_cache_scales: Sequence[tuple[float, float]] | None = None) -> None:
         limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
                               max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
                               num_kv_blocks=runtime.num_kv_blocks,
                               kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
                               cuda_graphs=runtime.cuda_graphs)
-        self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype, limits=limits)
+        self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype,
+                                  limits=limits, kv_cache_scales=kv_cache_scales)
         # Fixed once the runner has started.
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.memory_report = self.runner.memory_report

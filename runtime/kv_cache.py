@@ -1,42 +1,81 @@
-"""The paged KV cache on the device: one allocation, per-layer views, its own dtype, room for scales.
+"""The paged KV cache on the device: one allocation, per-layer views, its own dtype, per-layer scales.
 
 The block manager (plain Python) decides which blocks a request owns; this object only holds the memory
-those block ids index. Its dtype is the cache's own (engine.json `kv_cache_dtype`), which an FP8 or INT8
-cache will make differ from the activation dtype; such caches add per-layer scales here.
+those block ids index. Its dtype is the cache's own (engine.json `kv_cache_dtype`): a float dtype, or FP8
+(float8_e4m3fn) / INT8, which store k / k_scale and v / v_scale with one calibrated (k_scale, v_scale) pair
+per layer (engine.json `kv_cache_scales`), held here as device tensors the attention ops read.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from kiln.model_defs import ModelConfig
+from kiln.plugins.kv_cache import QUANTIZED_KV_DTYPES
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # (k, v): [num_blocks, block_size, Hk, D] each
+LayerScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale): [1] float32 each
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of `dtype` stores scaled values (FP8, INT8) that need per-layer scales."""
+    return dtype in QUANTIZED_KV_DTYPES
 
 
 class KVCache:
     """`num_blocks` blocks of `block_size` tokens for every layer, allocated once for the engine's lifetime
-    (captured CUDA graphs read these addresses: never reallocate)."""
+    (captured CUDA graphs read these addresses: never reallocate). `scales`: per layer (k_scale, v_scale)
+    positive floats, given exactly when `dtype` is quantized (FP8, INT8); a ValueError says which is wrong."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, scales: Sequence[tuple[float, float]] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        # Per layer (k_scale, v_scale) for a quantized cache; None while the cache holds `dtype` values as is.
+        self.scales: tuple[LayerScales, ...] | None = _scale_tensors(config, dtype, scales, device)
         # storage: [layers, 2 (k, v), num_blocks, block_size, Hk, D]
         self.storage = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
                                    config.head_dim, dtype=dtype, device=device)
         self.layers: tuple[LayerCache, ...] = tuple(
             (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers))
-        # Per layer (k_scale, v_scale) for a quantized cache; None while the cache holds `dtype` values as is.
-        self.scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Device bytes one token's keys and values take over all layers (1 byte an element for FP8, INT8)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Device bytes one block takes over all layers (keys and values)."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+        """Device bytes one block takes over all layers (keys and values); the scales are not counted."""
+        return block_size * KVCache.bytes_per_token(config, dtype)
 
     @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
+
+
+def _scale_tensors(config: ModelConfig, dtype: torch.dtype, scales: Sequence[tuple[float, float]] | None,
+                   device: torch.device) -> tuple[LayerScales, ...] | None:
+    """The per-layer scales as [1] float32 device tensors; ValueError unless given for a quantized cache
+    only, one positive pair per layer."""
+    if scales is None:
+        if is_quantized(dtype):
+            raise ValueError(f"a {dtype} KV cache needs scales: one (k_scale, v_scale) pair per layer")
+        return None
+    if not is_quantized(dtype):
+        raise ValueError(f"KV-cache scales are given but the cache is {dtype}: scales are only for "
+                         f"{' and '.join(str(d) for d in QUANTIZED_KV_DTYPES)} caches")
+    if len(scales) != config.num_layers:
+        raise ValueError(f"{len(scales)} KV-cache scale pairs for a model of {config.num_layers} layers: "
+                         f"need one (k_scale, v_scale) pair per layer")
+    out = []
+    for i, pair in enumerate(scales):
+        if len(pair) != 2 or not all(math.isfinite(float(x)) and float(x) > 0 for x in pair):
+            raise ValueError(f"KV-cache scales of layer {i}: {pair!r} must be two positive finite numbers")
+        out.append(tuple(torch.tensor([float(x)], dtype=torch.float32, device=device) for x in pair))
+    return tuple(out)

@@ -33,6 +33,8 @@ class MemoryReport:
     block_size: int
     max_seq_len: int
     kv_cache_memory_fraction: float
+    kv_cache_dtype: str = ""  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
+    kv_bytes_per_token: int = 0  # keys and values of one token over all layers (KVCache.bytes_per_token)
 
     @property
     def sequences_at_max_len(self) -> int:
@@ -42,7 +44,9 @@ class MemoryReport:
     def summary(self) -> str:
         return (f"memory on {self.device}: weights {self.weights_bytes / GIB:.2f} GiB, activations "
                 f"{self.activation_bytes / GIB:.2f} GiB, KV cache {self.kv_cache_bytes / GIB:.2f} GiB "
-                f"({self.num_kv_blocks} blocks of {self.block_size} tokens = {self.num_kv_blocks * self.block_size} "
+                f"({self.kv_cache_dtype or 'unknown dtype'}, {self.kv_bytes_per_token} bytes per token; "
+                f"{self.num_kv_blocks} blocks of {self.block_size} tokens = "
+                f"{self.num_kv_blocks * self.block_size} "
                 f"tokens, {self.sequences_at_max_len} sequences of max_seq_len {self.max_seq_len}; "
                 f"kv_cache_memory_fraction {self.kv_cache_memory_fraction}), CUDA graphs "
                 f"{self.graph_bytes / GIB:.2f} GiB, of {self.total_bytes / GIB:.2f} GiB")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kiln.model_defs import CausalLM
@@ -16,9 +18,10 @@ from .step_inputs import build_context
 @torch.inference_mode()
 def profile_activation_bytes(model: CausalLM, *, max_num_tokens: int, max_batch_size: int, max_seq_len: int,
                              block_size: int, kv_dtype: torch.dtype, device: torch.device,
-                             fraction: float) -> int:
+                             fraction: float, kv_scales: Sequence[tuple[float, float]] | None = None) -> int:
     """Peak memory of one step at the limits: max_num_tokens tokens through the network, logits and a
-    top-p sampling pass for max_batch_size rows. Runs on a throwaway cache just big enough."""
+    top-p sampling pass for max_batch_size rows. Runs on a throwaway cache just big enough (with the
+    engine's scales for a quantized cache: its quantize and dequantize copies count too)."""
     tokens = max_num_tokens
     seq_len = min(max_seq_len, tokens)
     lengths = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
@@ -26,14 +29,14 @@ def profile_activation_bytes(model: CausalLM, *, max_num_tokens: int, max_batch_
     torch.cuda.synchronize(device)
     cache = hidden = logits = None
     try:
-        cache = KVCache(model.config, blocks_per_seq * len(lengths), block_size, kv_dtype, device)
+        cache = KVCache(model.config, blocks_per_seq * len(lengths), block_size, kv_dtype, device, kv_scales)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         ctx = build_context(
             positions=[p for n in lengths for p in range(n)], rope_lengths=[seq_len] * tokens,
             slots=[s * blocks_per_seq * block_size + p for s, n in enumerate(lengths) for p in range(n)],
             tables=[list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(len(lengths))],
-            query_lens=lengths, kv_caches=cache.layers, device=device)
+            query_lens=lengths, kv_caches=cache.layers, device=device, kv_scales=cache.scales)
         hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device), ctx)
         rows = torch.arange(max_batch_size, device=device) % tokens
         logits = model.compute_logits(hidden[rows])

@@ -10,6 +10,7 @@ limits, sizes the KV cache from what is left, then captures the graphs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from kiln.model_defs import CausalLM
 
 from . import memory
 from .cuda_graphs import DecodeGraphs, decode_batch
-from .kv_cache import KVCache
+from .kv_cache import KVCache, is_quantized
 from .memory_profile import profile_activation_bytes
 from .model_step import StepInput, StepResult
 from .prompt_logprobs import prompt_logprobs
@@ -41,8 +42,12 @@ class RunnerLimits:
 
 
 class ModelRunner:
+    """`kv_cache_scales`: per layer (k_scale, v_scale) of a quantized (FP8, INT8) `kv_cache_dtype`
+    (engine.json `kv_cache_scales`), None for a float cache; every step's ForwardContext carries them as
+    device tensors."""
+
     def __init__(self, model: CausalLM, *, device: torch.device, kv_cache_dtype: torch.dtype,
-                 limits: RunnerLimits) -> None:
+                 limits: RunnerLimits, kv_cache_scales: Sequence[tuple[float, float]] | None = None) -> None:
         self.model = model
         self.device = device
         self.limits = limits
@@ -55,13 +60,14 @@ class ModelRunner:
             activation = profile_activation_bytes(
                 model, max_num_tokens=limits.max_num_tokens, max_batch_size=limits.max_batch_size,
                 max_seq_len=limits.max_seq_len, block_size=limits.block_size, kv_dtype=kv_cache_dtype,
-                device=device, fraction=fraction)
+                device=device, fraction=fraction, kv_scales=kv_cache_scales)
         num_blocks = memory.plan_kv_blocks(
             device, KVCache.bytes_per_block(model.config, limits.block_size, kv_cache_dtype), limits.num_kv_blocks,
             fraction=fraction, activation_bytes=activation, weights_bytes=weights,
             max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len, block_size=limits.block_size)
         try:
-            self.kv_cache = KVCache(model.config, num_blocks, limits.block_size, kv_cache_dtype, device)
+            self.kv_cache = KVCache(model.config, num_blocks, limits.block_size, kv_cache_dtype, device,
+                                    kv_cache_scales)
         except torch.OutOfMemoryError:
             raise memory.out_of_memory(f"allocating {num_blocks} KV blocks", fraction) from None
         self.num_kv_blocks = num_blocks
@@ -69,12 +75,20 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         graph_bytes = 0
         if device.type == "cuda" and limits.cuda_graphs:
-            graph_bytes = self._capture_graphs(fraction)
+            if is_quantized(kv_cache_dtype):
+                # The reference ops read sequence lengths on the host (.tolist()): no graph can capture them.
+                logger.warning("not capturing CUDA graphs: the %s KV cache runs the PyTorch reference "
+                               "attention (GPU kernels for FP8/INT8 KV caches are a later issue)",
+                               kv_cache_dtype)
+            else:
+                graph_bytes = self._capture_graphs(fraction)
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
         self.memory_report = memory.MemoryReport(
             device=str(device), total_bytes=total, weights_bytes=weights, activation_bytes=activation,
             kv_cache_bytes=self.kv_cache.nbytes, graph_bytes=graph_bytes, num_kv_blocks=num_blocks,
-            block_size=limits.block_size, max_seq_len=limits.max_seq_len, kv_cache_memory_fraction=fraction)
+            block_size=limits.block_size, max_seq_len=limits.max_seq_len, kv_cache_memory_fraction=fraction,
+            kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
+            kv_bytes_per_token=KVCache.bytes_per_token(model.config, kv_cache_dtype))
         logger.info("%s", self.memory_report.summary())
 
     def _capture_graphs(self, fraction: float) -> int:
@@ -82,7 +96,8 @@ class ModelRunner:
         max_blocks = -(-self.limits.max_seq_len // self.block_size)
         try:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, max_batch_size=self.limits.max_batch_size,
-                                       max_blocks_per_seq=max_blocks, device=self.device)
+                                       max_blocks_per_seq=max_blocks, device=self.device,
+                                       kv_scales=self.kv_cache.scales)
             self.graph_capture_seconds = self.graphs.capture()
         except torch.OutOfMemoryError:
             raise memory.out_of_memory("capturing CUDA graphs", fraction) from None
@@ -101,7 +116,7 @@ class ModelRunner:
             if batch is not None:
                 logits = self.graphs.run(batch)  # [n, V]
                 return StepResult(logits, request_ids, tuple(range(len(batch) + 1)))
-        packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device)
+        packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device, self.kv_cache.scales)
         hidden = self.model(packed.input_ids, packed.context)  # [T, H]
         logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, V]
         logprobs = prompt_logprobs(schedule, hidden, targets, self.model.compute_logits) if targets else {}

@@ -15,7 +15,7 @@ import torch
 from kiln.model_defs.layers import ForwardContext
 
 from .host_tensors import to_device
-from .kv_cache import LayerCache
+from .kv_cache import LayerCache, LayerScales
 from .scheduler import SchedulerOutput
 
 
@@ -43,9 +43,12 @@ class PackedStep:
 
 def build_context(*, positions: list[int], rope_lengths: list[int], slots: list[int],
                   tables: Sequence[Sequence[int]], query_lens: Sequence[int],
-                  kv_caches: tuple[LayerCache, ...], device: torch.device) -> ForwardContext:
+                  kv_caches: tuple[LayerCache, ...], device: torch.device,
+                  kv_scales: tuple[LayerScales, ...] | None = None) -> ForwardContext:
     """A ForwardContext from host lists; each sequence's length after the step is its table's start
-    position plus its query length, given here through `positions` (the last one of each sequence)."""
+    position plus its query length, given here through `positions` (the last one of each sequence).
+    `kv_scales`: the cache's per-layer (k_scale, v_scale) device tensors (`KVCache.scales`), None for a
+    float cache."""
     width = max(len(t) for t in tables)
     starts = [0]
     for n in query_lens:
@@ -60,13 +63,14 @@ def build_context(*, positions: list[int], rope_lengths: list[int], slots: list[
         query_start_loc=to_device(starts, torch.int32, device),
         kv_caches=kv_caches,
         max_rope_length=max(rope_lengths),
+        kv_scales=kv_scales,
     )
 
 
 def pack_step(step: SchedulerOutput, block_size: int, kv_caches: tuple[LayerCache, ...],
-              device: torch.device) -> PackedStep:
+              device: torch.device, kv_scales: tuple[LayerScales, ...] | None = None) -> PackedStep:
     """The step's tokens, positions, slots and block tables as device tensors, and which rows to sample:
-    the last `num_sampled` positions of each request."""
+    the last `num_sampled` positions of each request. `kv_scales` as for `build_context`."""
     input_ids: list[int] = []
     positions: list[int] = []
     rope_lengths: list[int] = []
@@ -85,6 +89,7 @@ def pack_step(step: SchedulerOutput, block_size: int, kv_caches: tuple[LayerCach
         offsets.append(len(sample_rows))
     context = build_context(positions=positions, rope_lengths=rope_lengths, slots=slots,
                             tables=[r.block_ids for r in step.requests],
-                            query_lens=[len(r.token_ids) for r in step.requests], kv_caches=kv_caches, device=device)
+                            query_lens=[len(r.token_ids) for r in step.requests], kv_caches=kv_caches,
+                            device=device, kv_scales=kv_scales)
     return PackedStep(to_device(input_ids, torch.int64, device), context,
                       to_device(sample_rows, torch.int64, device), tuple(offsets))

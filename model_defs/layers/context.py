@@ -24,3 +24,6 @@ class ForwardContext:
     # The largest of rope_lengths, known on the host: dynamic-NTK rope needs its per-length tables only past
     # the trained context, and knowing that without reading the GPU keeps the step free of host syncs.
     max_rope_length: int = 0
+    # Per layer (k_scale, v_scale): [1] float32 each, on the device, for a quantized (fp8 / int8) KV cache,
+    # which stores k / k_scale and v / v_scale; None for a float cache.
+    kv_scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None

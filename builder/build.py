@@ -25,6 +25,7 @@ import kiln
 from kiln.engine_format import (
     ENGINE_DTYPES,
     ENGINE_JSON,
+    QUANTIZED_FORMAT_VERSION,
     EngineBuildConfig,
     FileEntry,
     Mapping,
@@ -36,11 +37,13 @@ from kiln.engine_format.ownership import engine_manifest_paths, foreign_entries
 from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_hf_config
 from kiln.model_defs.config import token_id_list
 from kiln.model_defs.recipes import consumed_parts
-from kiln.quant.base import QuantConfig
+from kiln.quant.base import QuantConfig, QuantError
 
 from .build_config import BuildConfig
 from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
+from .quantize import QuantPlan, kv_cache_scales, plan_quantization, quant_spec, run_calibration
+from .quantize import producer as quant_producer
 from .safetensors_writer import TensorSpec, write_safetensors_streaming
 from .staging import staged_directory
 
@@ -152,9 +155,11 @@ def param_specs(model_def: ModelDef, config: ModelConfig, dtype: torch.dtype, qu
 
 
 def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: ModelConfig,
-                        specs: list[TensorSpec]) -> Callable[[TensorSpec], torch.Tensor]:
+                        specs: list[TensorSpec],
+                        read: Callable[[str], torch.Tensor] | None = None) -> Callable[[TensorSpec], torch.Tensor]:
     """Checks up front that every recipe's parts exist and combine to the engine tensor's shape, then
-    returns a function that makes and casts one engine tensor at a time."""
+    returns a function that makes and casts one engine tensor at a time. `read` replaces reader.get as
+    the source of the parts' values (the weights as calibration left them)."""
     recipes = model_def.recipes(config, [s.name for s in specs])
     missing = [part for s in specs for part in recipes[s.name].parts if part not in reader]
     if missing:
@@ -176,8 +181,10 @@ def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: M
         logger.warning("checkpoint has %d tensors the model does not use (config.json may not match the "
                        "weights), e.g. %s", len(unused), ", ".join(unused[:3]))
 
+    read = read or reader.get
+
     def produce(spec: TensorSpec) -> torch.Tensor:
-        return recipes[spec.name].make(spec.name, reader.get).to(spec.dtype)
+        return recipes[spec.name].make(spec.name, read).to(spec.dtype)
 
     return produce
 
@@ -215,6 +222,31 @@ def _check_output(output: Path) -> None:
                          f"--output or remove them")
 
 
+def _producer(config: BuildConfig, checkpoint: Path, model_def: ModelDef, model_config: ModelConfig,
+              float_specs: list[TensorSpec], plan: QuantPlan | None,
+              stack: contextlib.ExitStack) -> tuple[Callable[[TensorSpec], torch.Tensor], str]:
+    """The writer's producer and progress label; the checkpoint reader it opens closes with `stack`."""
+    by_name = {s.name: s for s in float_specs}
+    if config.dummy_weights:
+        float_produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
+        desc, read = "writing rank0 (dummy)", None
+    else:
+        reader = CheckpointReader(checkpoint)
+        stack.callback(reader.close)
+        calibrated = None if plan is None or plan.result is None else plan.result.state
+        read = reader.get if calibrated is None else (
+            lambda name: calibrated[name] if name in calibrated else reader.get(name))
+        # Its up-front checks read shard headers, which fail on a corrupt shard or a wrong index.
+        float_produce = checkpoint_producer(reader, model_def, model_config, float_specs, read)
+        desc = "writing rank0" if plan is None else f"writing rank0 ({plan.config.qformat})"
+    if plan is None:
+        produce = float_produce
+    else:
+        quantized = quant_producer(plan, model_def, model_config, lambda name: float_produce(by_name[name]), read)
+        produce = lambda spec: quantized(spec.name, spec.dtype, spec.shape)  # noqa: E731
+    return produce, desc
+
+
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: BuildConfig | None = None,
                  *, progress: bool = True) -> Path:
     """Builds an engine from a Hugging Face checkpoint directory; returns the engine directory."""
@@ -233,34 +265,39 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
                        "trained context depends on its rope scaling", max_seq_len,
                        model_config.max_position_embeddings)
     target = target_of(config.device)
-    specs = param_specs(model_def, model_config, ENGINE_DTYPES[dtype_name])
+    torch_dtype = ENGINE_DTYPES[dtype_name]
+    try:
+        plan = plan_quantization(config, model_def, model_config, torch_dtype)
+    except QuantError as e:
+        raise BuildError(str(e)) from None
+    float_specs = param_specs(model_def, model_config, torch_dtype)
+    specs = float_specs if plan is None else param_specs(model_def, model_config, torch_dtype, plan.quant)
 
     _check_output(output)
-    reader: CheckpointReader | None = None
     with contextlib.ExitStack() as stack:
         staging = stack.enter_context(staged_directory(output, check_replace=_check_output))
-        stack.callback(lambda: reader is not None and reader.close())
         try:
-            if config.dummy_weights:
-                produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
-                desc = "writing rank0 (dummy)"
-            else:
-                reader = CheckpointReader(checkpoint)
-                # Its up-front checks read shard headers, which fail on a corrupt shard or a wrong index.
-                produce, desc = checkpoint_producer(reader, model_def, model_config, specs), "writing rank0"
+            if plan is not None:
+                run_calibration(plan, checkpoint, model_config)
+            produce, desc = _producer(config, checkpoint, model_def, model_config, float_specs, plan, stack)
             written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
                                                   metadata={"format": "pt", "kiln_rank": "0"},
                                                   progress=progress, desc=desc)
         except CheckpointError as e:
             raise BuildError(str(e)) from e
+        except QuantError as e:
+            raise BuildError(str(e)) from None
         files = {rank_file_name(0): FileEntry(written.size, written.sha256), **copy_tokenizer(checkpoint, staging)}
-        build = EngineBuildConfig(dtype=dtype_name, max_batch_size=config.max_batch_size,
-                                  max_num_tokens=config.max_num_tokens, max_seq_len=max_seq_len,
-                                  kv_block_size=config.kv_block_size, kv_cache_dtype=dtype_name, quantization=None,
-                                  dummy_weights=config.dummy_weights)
+        build = EngineBuildConfig(
+            dtype=dtype_name, max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
+            max_seq_len=max_seq_len, kv_block_size=config.kv_block_size,
+            kv_cache_dtype=dtype_name if plan is None or not plan.kv_quantized else config.kv_cache_dtype,
+            kv_cache_scales=None if plan is None else kv_cache_scales(plan, model_config.num_layers),
+            quantization=None if plan is None else quant_spec(plan).to_dict(), dummy_weights=config.dummy_weights)
         write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),
                           build_config=build.to_dict(), mapping=Mapping().to_dict(), target=target, files=files,
-                          kiln_version=kiln.__version__)
+                          kiln_version=kiln.__version__,
+                          format_version=1 if plan is None else QUANTIZED_FORMAT_VERSION)
     logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,
                 time.perf_counter() - start)
     return output

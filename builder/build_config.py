@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kiln.engine_format import ENGINE_DTYPES
+from kiln.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_QUANT_DTYPES, QFORMATS
 
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 DEVICE_CHOICES = ("cpu", "cuda")
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_QUANT_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -23,13 +25,21 @@ class BuildConfig:
     kv_block_size: int = 16  # tokens per KV-cache block
     dummy_weights: bool = False  # random weights from config.json alone (benchmarks)
     seed: int = 0  # for dummy weights
+    # Quantization (TensorRT-LLM's names): the weights' format and the KV cache's dtype.
+    qformat: str = "full_prec"
+    kv_cache_dtype: str = "auto"  # auto = the engine dtype
+    awq_block_size: int = DEFAULT_GROUP_SIZE  # group size of the INT4 formats
+    calib_dataset: str | None = None  # plain text or JSON lines with "text"; None = kiln's default sample
+    calib_size: int = 512  # calibration samples
+    calib_max_seq_len: int = 512  # tokens per calibration sample
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r} must be one of {', '.join(DEVICE_CHOICES)}")
-        for name in ("max_batch_size", "max_num_tokens", "kv_block_size"):
+        for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "awq_block_size", "calib_size",
+                     "calib_max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -37,6 +47,18 @@ class BuildConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
         if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > 256:
             raise ValueError(f"kv_block_size={self.kv_block_size} must be a power of two up to 256")
+        if self.qformat not in QFORMATS:
+            raise ValueError(f"qformat={self.qformat!r} is not a quantization format; valid: {', '.join(QFORMATS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+        if self.awq_block_size % 2 or self.awq_block_size < 2:
+            raise ValueError(f"awq_block_size={self.awq_block_size} must be an even number >= 2 (INT4 values "
+                             f"are packed two to a byte)")
+
+    @property
+    def quantizes(self) -> bool:
+        return self.qformat != "full_prec" or self.kv_cache_dtype != "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)

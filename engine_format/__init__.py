@@ -14,6 +14,7 @@ from .manifest import ENGINE_JSON, FileEntry, file_entry
 from .mapping import Mapping
 from .spec import (
     ENGINE_FORMAT_VERSION,
+    QUANTIZED_FORMAT_VERSION,
     TOKENIZER_DIR,
     EngineSpec,
     load_engine_spec,
@@ -21,6 +22,6 @@ from .spec import (
     write_engine_json,
 )
 
-__all__ = ["ENGINE_DTYPES", "ENGINE_FORMAT_VERSION", "ENGINE_JSON", "TOKENIZER_DIR", "EngineBuildConfig",
-           "EngineConfig", "EngineError", "EngineSpec", "FileEntry", "Mapping", "check_json_fields", "file_entry",
+__all__ = ["ENGINE_DTYPES", "ENGINE_FORMAT_VERSION", "ENGINE_JSON", "QUANTIZED_FORMAT_VERSION", "TOKENIZER_DIR",
+           "EngineBuildConfig", "EngineConfig", "EngineError", "EngineSpec", "FileEntry", "Mapping", "check_json_fields", "file_entry",
            "load_engine_spec", "rank_file_name", "read_engine_config", "write_engine_json"]

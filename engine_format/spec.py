@@ -19,7 +19,11 @@ from .errors import EngineError
 from .manifest import ENGINE_JSON, FileEntry, check_manifest_path, parse_manifest
 from .verify import check_files
 
-ENGINE_FORMAT_VERSION = 1
+# Version 2: quantized weights and KV caches (build_config.quantization, kv_cache_dtype fp8/int8,
+# kv_cache_scales), which a version-1 reader would misread. A build writes the lowest version that holds
+# its engine, so full-precision engines stay readable by older kilns.
+ENGINE_FORMAT_VERSION = 2
+QUANTIZED_FORMAT_VERSION = 2
 TOKENIZER_DIR = "tokenizer"
 
 _REBUILD_HINT = "rebuild the engine with `kiln build --checkpoint ... --output {engine_dir}`"
@@ -87,13 +91,16 @@ def write_engine_json(
     target: dict,
     files: dict[str, FileEntry],
     kiln_version: str,
+    format_version: int = 1,
 ) -> Path:
     """Write `<engine_dir>/engine.json` atomically and return its path.
 
     Written last by a build: its presence marks a finished engine, so it goes to a temporary file
     that is renamed into place. Top-level keys keep a fixed order and nested keys are sorted, so the
-    same build gives the same bytes.
+    same build gives the same bytes. `format_version` is the lowest version that describes the engine.
     """
+    if not 1 <= format_version <= ENGINE_FORMAT_VERSION:
+        raise ValueError(f"format_version={format_version} must be 1..{ENGINE_FORMAT_VERSION}")
     engine_dir = Path(engine_dir)
     for path, entry in files.items():
         check_manifest_path(path, where="write_engine_json files")
@@ -102,7 +109,7 @@ def write_engine_json(
                 f"write_engine_json files[{path!r}] is a {type(entry).__name__}, expected FileEntry"
             )
     document = {
-        "format_version": ENGINE_FORMAT_VERSION,
+        "format_version": format_version,
         "kiln_version": kiln_version,
         "architecture": architecture,
         "model_config": model_config,

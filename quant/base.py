@@ -1,18 +1,29 @@
-"""What a quantization format gives the network builder: a linear method per layer.
+"""What a quantization format gives the network builder and the engine builder.
 
-A format (fp8, int8_sq, int4_awq, a pre-quantized checkpoint's `quantization_config`, ...) is one small
-class implementing `QuantConfig`; `build_network(..., quant=...)` hands it to the LinearFactory, which asks
-it for each linear layer's method. Model files never see it.
+A format (fp8, int8_sq, int4_awq, ...) is one small module with a `QuantConfig` (which linear layers it
+quantizes, and with which `QuantizedLinearMethod`) and that method: the tensors a layer stores, the
+product it computes at run time, and `quantize`, which turns a layer's float weight parts plus the
+calibration's statistics into those tensors at build time. `build_network(..., quant=...)` hands the
+config to the LinearFactory; model files never see it.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from kiln.model_defs.layers.linear import LinearMethod
+from kiln.model_defs.layers.linear import LinearMethod
+
+if TYPE_CHECKING:
+    pass
+
+
+class QuantError(ValueError):
+    """A format a layer, file or setting cannot take; the message names the layer, file or flag."""
 
 
 @runtime_checkable
@@ -22,5 +33,38 @@ class QuantConfig(Protocol):
     def linear_method(self, prefix: str, in_features: int, out_features: int,
                       dtype: torch.dtype) -> LinearMethod | None:
         """The method for the layer at module path `prefix` (e.g. "model.layers.0.mlp.down_proj", or
-        "lm_head"), whose activations are `dtype`; None leaves that layer unquantized."""
+        "lm_head"), whose activations are `dtype`; None leaves that layer unquantized. Raises QuantError
+        naming the layer and its sizes when the format cannot take them."""
         ...
+
+
+@dataclass(frozen=True)
+class LinearPart:
+    """One checkpoint linear layer that an engine layer is made of (q_proj of a fused qkv_proj), as the
+    calibration left it.
+
+    ModelOpt's SmoothQuant and AWQ scale the weight's input columns and leave the inverse on the input
+    (`pre_quant_scale`): the layer computes (x * pre_quant_scale) @ weight^T. Amax shapes are ModelOpt's:
+    [] per tensor, [out, 1] per channel, [out * in / group, 1] per block.
+    """
+
+    name: str  # checkpoint module path, e.g. "model.layers.0.self_attn.q_proj"
+    weight: torch.Tensor  # [out_i, in] float32
+    weight_amax: torch.Tensor | None = None
+    input_amax: torch.Tensor | None = None  # [] : the calibrated range of the (smoothed) input
+    pre_quant_scale: torch.Tensor | None = None  # [in] float32
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """A linear method whose tensors the engine builder makes from float weights and calibration data."""
+
+    needs_calibration: bool = False  # whether `quantize` needs activation statistics (input amax)
+
+    @abstractmethod
+    def quantize(self, parts: Sequence[LinearPart]) -> dict[str, torch.Tensor]:
+        """The layer's tensors (every declared one but `bias`, which stays float) from its parts, whose
+        rows are concatenated in order ([q; k; v], [gate; up])."""

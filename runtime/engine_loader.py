@@ -26,6 +26,8 @@ from kiln.engine_format import (
     read_engine_config,
 )
 from kiln.model_defs import CausalLM, ModelConfig, ModelConfigError, ModelDef, build_network, get_model_def
+from kiln.quant.base import QuantConfig, QuantError
+from kiln.quant.spec import QuantSpec
 
 from .memory import check_fraction
 
@@ -214,14 +216,24 @@ def resolve_runtime(info: EngineInfo, *, device: str | torch.device | None = Non
         kv_cache_dtype=build.kv_cache_torch_dtype)
 
 
+def engine_quant_config(info: EngineInfo) -> QuantConfig | None:
+    """The QuantConfig of the engine's weights (None for full precision), from build_config.quantization."""
+    recorded = info.config.build.quantization
+    if recorded is None:
+        return None
+    try:
+        return QuantSpec.from_dict(recorded).quant_config()
+    except QuantError as e:
+        raise EngineError(f"{info.spec.engine_dir / 'engine.json'}: build_config.quantization: {e}; rebuild the "
+                          f"engine with this kiln") from None
+
+
 def load_network(info: EngineInfo, device: torch.device, rank: int = 0) -> CausalLM:
     """Rank `rank`'s network with its weights on `device`, built by the same `build_network` as the builder."""
     path = info.spec.rank_file(rank)
-    if info.config.build.quantization is not None:
-        raise EngineError(f"engine {info.spec.engine_dir} holds quantized weights "
-                          f"({info.config.build.quantization}), which this kiln cannot run; upgrade kiln")
+    quant = engine_quant_config(info)
     with torch.device("meta"):
-        model = build_network(info.model_def, info.model_config, None, info.config.mapping.for_rank(rank),
+        model = build_network(info.model_def, info.model_config, quant, info.config.mapping.for_rank(rank),
                               dtype=info.config.build.torch_dtype)
     try:
         weights = load_file(str(path), device=str(device))

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from model_factory import make_engine
 
-from kiln.engine_format import EngineError
+from kiln.engine_format import ENGINE_FORMAT_VERSION, EngineError
 from kiln.runtime import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -130,7 +130,7 @@ def test_modified_weights_fail_checksum_verification(engine_dir, tmp_path):
 def test_newer_format_version(engine_dir, tmp_path):
     engine = _copy(engine_dir, tmp_path)
     doc = json.loads((engine / "engine.json").read_text())
-    doc["format_version"] = 2
+    doc["format_version"] = ENGINE_FORMAT_VERSION + 1
     (engine / "engine.json").write_text(json.dumps(doc))
     with pytest.raises(EngineError, match="upgrade kiln"):
         LLM(engine)

@@ -89,7 +89,7 @@ def test_round_trip(engine):
     spec = load_engine_spec(engine, verify_checksums=True)
     assert isinstance(spec, EngineSpec)
     assert spec.engine_dir == engine
-    assert spec.format_version == ENGINE_FORMAT_VERSION
+    assert spec.format_version == 1  # full precision: what older kilns read too
     assert spec.kiln_version == __version__
     assert spec.architecture == "LlamaForCausalLM"
     assert spec.model_config == MODEL_CONFIG
@@ -227,14 +227,15 @@ def test_format_version_zero(engine):
 
 def test_newer_format_version(engine):
     def newer(document):
-        document["format_version"] = 2
+        document["format_version"] = ENGINE_FORMAT_VERSION + 1
         document["kiln_version"] = "9.9.9"
         del document["files"]  # a newer format may have changed fields: the version is reported first
 
     edit_json(engine, newer)
     message = engine_error(engine)
     assert (
-        f"engine format version 2 was written by kiln 9.9.9; this kiln {__version__} reads versions up to 1: "
+        f"engine format version {ENGINE_FORMAT_VERSION + 1} was written by kiln 9.9.9; this kiln {__version__} "
+        f"reads versions up to {ENGINE_FORMAT_VERSION}: "
         "upgrade kiln or rebuild the engine"
     ) in message
 

@@ -6,12 +6,23 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+QFORMAT_HELP = (
+    "weight quantization, TensorRT-LLM's names: full_prec (default: the model dtype), fp8 (FP8 E4M3 weights "
+    "and activations, per-tensor scales), int8_sq (INT8 SmoothQuant W8A8), int4_awq (INT4 AWQ weight-only, "
+    "group --awq-block-size), int8_wo (INT8 weight-only, per channel), int4_wo (INT4 weight-only, per group). "
+    "fp8, int8_sq and int4_awq are calibrated with NVIDIA ModelOpt (pip install 'kiln[quant]')")
+CALIB_HELP = (
+    "calibration text: a plain-text file, or JSON lines with a 'text' field. Default: a sample that ships "
+    "with kiln (Python standard-library source with its English docstrings). Calibrate a chat model on "
+    "chat data: pass your own")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build a Hugging Face checkpoint into an engine",
-                       description="Convert, fuse and cast a Hugging Face checkpoint into a kiln engine directory "
-                                   "(engine.json, rank0.safetensors, tokenizer/).")
+                       description="Convert, fuse, cast and optionally quantize a Hugging Face checkpoint into a "
+                                   "kiln engine directory (engine.json, rank0.safetensors, tokenizer/).")
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory (config.json, weights, "
                                                        "tokenizer files)")
     p.add_argument("--output", required=True, help="engine directory to write (replaced if it is an engine)")
@@ -27,6 +38,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--dummy-weights", action="store_true",
                    help="random weights from config.json alone, no weight files needed (for benchmarks)")
+    q = p.add_argument_group("quantization")
+    q.add_argument("--qformat", default="full_prec",
+                   choices=["full_prec", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"], help=QFORMAT_HELP)
+    q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="KV-cache dtype with any --qformat; auto = the model dtype; fp8 and int8 are calibrated "
+                        "(per-layer scales) and hold twice the tokens of a 16-bit cache (default: auto)")
+    q.add_argument("--awq-block-size", type=int, default=128,
+                   help="group size (input columns per scale) of int4_awq and int4_wo (default: 128)")
+    q.add_argument("--calib-dataset", default=None, metavar="FILE", help=CALIB_HELP)
+    q.add_argument("--calib-size", type=int, default=512, help="calibration samples (default: 512)")
+    q.add_argument("--calib-max-seq-len", type=int, default=512, help="tokens per calibration sample (default: 512)")
+    q.add_argument("--eval-text", default=None, metavar="FILE",
+                   help="after the build, print the perplexity of the engine on this UTF-8 text next to the "
+                        "full-precision engine's, so the cost of a format shows before deploying it")
     p.set_defaults(run=run)
 
 
@@ -34,12 +59,24 @@ def run(args: argparse.Namespace) -> int:
     from kiln.builder.build import build_engine
     from kiln.builder.build_config import BuildConfig
 
+    from .build_summary import engine_summary
+    from .text_file import read_text_arg
+
+    eval_text = read_text_arg(args.eval_text, "--eval-text") if args.eval_text else None  # fail before building
     config = BuildConfig(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                          max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
-                         kv_block_size=args.kv_block_size, dummy_weights=args.dummy_weights)
+                         kv_block_size=args.kv_block_size, dummy_weights=args.dummy_weights, qformat=args.qformat,
+                         kv_cache_dtype=args.kv_cache_dtype, awq_block_size=args.awq_block_size,
+                         calib_dataset=args.calib_dataset, calib_size=args.calib_size,
+                         calib_max_seq_len=args.calib_max_seq_len)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
     dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]
     picked = f" ({dtype}, picked by --dtype auto for {args.device})" if args.dtype == "auto" else f" ({dtype})"
     print(f"engine written to {out}{picked} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    print(engine_summary(out), file=sys.stderr)
+    if eval_text is not None:
+        from .build_eval import compare_perplexity
+
+        print(compare_perplexity(Path(args.checkpoint), out, config, eval_text), file=sys.stderr)
     return 0

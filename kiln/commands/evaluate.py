@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_kwargs
+from .text_file import read_text_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,17 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.perplexity import perplexity
 
     path = Path(args.text_file)
-    if path.is_dir():
-        raise ValueError(f"--text-file {path}: is a directory; give a UTF-8 text file")
-    if not path.is_file():
-        raise ValueError(f"--text-file {path}: no such file" if not path.exists() else
-                         f"--text-file {path}: not a regular file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--text-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text:
-        raise ValueError(f"--text-file {path}: the file is empty")
+    text = read_text_arg(path, "--text-file")
     start = time.perf_counter()
     llm = LLM(args.engine, **runtime_kwargs(args))
     loaded = time.perf_counter()

@@ -42,6 +42,12 @@ class LinearMethod(ABC):
     def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
         """The tensors the layer needs, by attribute name, in the order they are stored."""
 
+    def layer_tensors(self, layer: nn.Module, in_features: int, out_features: int,
+                      bias: bool) -> dict[str, TensorDecl]:
+        """The tensors of this particular layer: `tensors`, unless the method keeps something per part of a
+        fused layer (it reads `layer.output_sizes`)."""
+        return self.tensors(in_features, out_features, bias)
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features], in x's dtype."""
@@ -49,10 +55,11 @@ class LinearMethod(ABC):
     def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         """Registers the declared tensors on `layer` as parameters, uninitialized, on the current default
         device (meta when the builder only wants names, shapes and dtypes)."""
-        for name, decl in self.tensors(in_features, out_features, bias).items():
+        for name, decl in self.layer_tensors(layer, in_features, out_features, bias).items():
             tensor = torch.empty(decl.shape, dtype=decl.dtype)
-            # Integer tensors (packed quantized weights) cannot require grad.
-            layer.register_parameter(name, nn.Parameter(tensor, requires_grad=decl.dtype.is_floating_point))
+            # Integer and FP8 tensors (quantized weights) cannot require grad.
+            trainable = decl.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            layer.register_parameter(name, nn.Parameter(tensor, requires_grad=trainable))
 
 
 @dataclass(frozen=True)

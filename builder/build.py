@@ -38,11 +38,20 @@ from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_
 from kiln.model_defs.config import token_id_list
 from kiln.model_defs.recipes import consumed_parts
 from kiln.quant.base import QuantConfig, QuantError
+from kiln.quant.prequant.detect import detect_checkpoint_quantization
 
 from .build_config import BuildConfig
 from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
-from .quantize import QuantPlan, kv_cache_scales, plan_quantization, quant_spec, run_calibration
+from .quantize import (
+    QuantPlan,
+    checkpoint_tensors,
+    kv_cache_scales,
+    plan_quantization,
+    quant_spec,
+    read_checkpoint_kv_cache,
+    run_calibration,
+)
 from .quantize import producer as quant_producer
 from .safetensors_writer import TensorSpec, write_safetensors_streaming
 from .staging import staged_directory
@@ -155,11 +164,12 @@ def param_specs(model_def: ModelDef, config: ModelConfig, dtype: torch.dtype, qu
 
 
 def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: ModelConfig,
-                        specs: list[TensorSpec],
-                        read: Callable[[str], torch.Tensor] | None = None) -> Callable[[TensorSpec], torch.Tensor]:
+                        specs: list[TensorSpec], read: Callable[[str], torch.Tensor] | None = None,
+                        also_used: set[str] = frozenset()) -> Callable[[TensorSpec], torch.Tensor]:
     """Checks up front that every recipe's parts exist and combine to the engine tensor's shape, then
     returns a function that makes and casts one engine tensor at a time. `read` replaces reader.get as
-    the source of the parts' values (the weights as calibration left them)."""
+    the source of the parts' values (the weights as calibration left them); `also_used` are checkpoint
+    tensors read otherwise (a pre-quantized format's), not reported as unused."""
     recipes = model_def.recipes(config, [s.name for s in specs])
     missing = [part for s in specs for part in recipes[s.name].parts if part not in reader]
     if missing:
@@ -175,7 +185,7 @@ def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: M
                 f"{s.name} of shape {list(s.shape)}; does config.json belong to these weights?"
             )
 
-    used = consumed_parts(recipes[s.name] for s in specs)
+    used = consumed_parts(recipes[s.name] for s in specs) | also_used
     unused = [n for n in reader.names() if n not in used and not n.endswith("rotary_emb.inv_freq")]
     if unused:
         logger.warning("checkpoint has %d tensors the model does not use (config.json may not match the "
@@ -222,23 +232,25 @@ def _check_output(output: Path) -> None:
                          f"--output or remove them")
 
 
-def _producer(config: BuildConfig, checkpoint: Path, model_def: ModelDef, model_config: ModelConfig,
-              float_specs: list[TensorSpec], plan: QuantPlan | None,
-              stack: contextlib.ExitStack) -> tuple[Callable[[TensorSpec], torch.Tensor], str]:
-    """The writer's producer and progress label; the checkpoint reader it opens closes with `stack`."""
+def _producer(config: BuildConfig, reader: CheckpointReader | None, model_def: ModelDef, model_config: ModelConfig,
+              float_specs: list[TensorSpec], plan: QuantPlan | None) -> tuple[Callable[[TensorSpec], torch.Tensor], str]:
+    """The writer's producer and progress label (`reader` is None for dummy weights)."""
     by_name = {s.name: s for s in float_specs}
-    if config.dummy_weights:
+    if reader is None:
         float_produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
         desc, read = "writing rank0 (dummy)", None
     else:
-        reader = CheckpointReader(checkpoint)
-        stack.callback(reader.close)
         calibrated = None if plan is None or plan.result is None else plan.result.state
         read = reader.get if calibrated is None else (
             lambda name: calibrated[name] if name in calibrated else reader.get(name))
-        # Its up-front checks read shard headers, which fail on a corrupt shard or a wrong index.
-        float_produce = checkpoint_producer(reader, model_def, model_config, float_specs, read)
-        desc = "writing rank0" if plan is None else f"writing rank0 ({plan.config.qformat})"
+        checked, also_used = float_specs, set()
+        if plan is not None and plan.checkpoint_format is not None:
+            # The quantized layers' weights are read by the format, as the tensors it names.
+            replaced, also_used = checkpoint_tensors(plan, model_def, model_config)
+            checked = [s for s in float_specs if s.name not in replaced]
+            read_checkpoint_kv_cache(plan, reader.get, set(reader.names()), model_config.num_layers)
+        float_produce = checkpoint_producer(reader, model_def, model_config, checked, read, also_used)
+        desc = "writing rank0" if plan is None else f"writing rank0 ({quant_spec(plan).qformat})"
     if plan is None:
         produce = float_produce
     else:
@@ -266,20 +278,29 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
                        model_config.max_position_embeddings)
     target = target_of(config.device)
     torch_dtype = ENGINE_DTYPES[dtype_name]
-    try:
-        plan = plan_quantization(config, model_def, model_config, torch_dtype)
-    except QuantError as e:
-        raise BuildError(str(e)) from None
-    float_specs = param_specs(model_def, model_config, torch_dtype)
-    specs = float_specs if plan is None else param_specs(model_def, model_config, torch_dtype, plan.quant)
-
-    _check_output(output)
     with contextlib.ExitStack() as stack:
+        try:
+            # Opened before anything is written: its shard headers name the tensors, which say whether the
+            # checkpoint is already quantized (and fail on a corrupt shard or a wrong index).
+            reader = None if config.dummy_weights else CheckpointReader(checkpoint)
+            if reader is not None:
+                stack.callback(reader.close)
+            checkpoint_format = None if reader is None else detect_checkpoint_quantization(
+                checkpoint, read_json(checkpoint / "config.json", "config"), reader.names())
+            plan = plan_quantization(config, model_def, model_config, torch_dtype, checkpoint_format)
+        except CheckpointError as e:
+            raise BuildError(str(e)) from e
+        except QuantError as e:
+            raise BuildError(str(e)) from None
+        float_specs = param_specs(model_def, model_config, torch_dtype)
+        specs = float_specs if plan is None else param_specs(model_def, model_config, torch_dtype, plan.quant)
+
+        _check_output(output)
         staging = stack.enter_context(staged_directory(output, check_replace=_check_output))
         try:
             if plan is not None:
                 run_calibration(plan, checkpoint, model_config)
-            produce, desc = _producer(config, checkpoint, model_def, model_config, float_specs, plan, stack)
+            produce, desc = _producer(config, reader, model_def, model_config, float_specs, plan)
             written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
                                                   metadata={"format": "pt", "kiln_rank": "0"},
                                                   progress=progress, desc=desc)
@@ -291,7 +312,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
         build = EngineBuildConfig(
             dtype=dtype_name, max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
             max_seq_len=max_seq_len, kv_block_size=config.kv_block_size,
-            kv_cache_dtype=dtype_name if plan is None or not plan.kv_quantized else config.kv_cache_dtype,
+            kv_cache_dtype=dtype_name if plan is None or not plan.kv_quantized else plan.kv_cache_dtype,
             kv_cache_scales=None if plan is None else kv_cache_scales(plan, model_config.num_layers),
             quantization=None if plan is None else quant_spec(plan).to_dict(), dummy_weights=config.dummy_weights)
         write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),

@@ -7,6 +7,7 @@ the build's order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +23,13 @@ from kiln.quant.convert import (
     CheckpointParts,
     QuantizedProducer,
     dummy_parts,
+    layer_modules,
     needs_calibration,
+    quantize_parts,
     quantized_layers,
 )
 from kiln.quant.formats import GROUPED, KV_CACHE_QUANT_DTYPES, quant_config
+from kiln.quant.prequant.base import CheckpointQuantization
 from kiln.quant.rounding import FP8_MAX, int_max
 from kiln.quant.spec import QuantSpec
 
@@ -47,16 +51,33 @@ class QuantPlan:
     calibrate: bool  # whether ModelOpt runs
     data: CalibrationTexts | None
     result: CalibrationResult | None = None
+    checkpoint_format: CheckpointQuantization | None = None  # a pre-quantized checkpoint's reader
+    kv_cache: tuple[str, list[tuple[float, float]]] | None = None  # (dtype, scales) a checkpoint brings
 
     @property
     def kv_quantized(self) -> bool:
-        return self.config.kv_cache_dtype in KV_CACHE_QUANT_DTYPES
+        return self.kv_cache is not None or self.config.kv_cache_dtype in KV_CACHE_QUANT_DTYPES
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.kv_cache[0] if self.kv_cache is not None else self.config.kv_cache_dtype
 
 
 def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: ModelConfig,
-                      dtype: torch.dtype) -> QuantPlan | None:
+                      dtype: torch.dtype, checkpoint_format: CheckpointQuantization | None = None) -> QuantPlan | None:
     """None for a full-precision build. Raises QuantError for a layer the format cannot take (named, with
-    its sizes) or a calibration file that cannot be read, before any weight is read."""
+    its sizes) or a calibration file that cannot be read, before any weight is read. A pre-quantized
+    checkpoint (`checkpoint_format`) is read as it is: asking to quantize it again is refused."""
+    if checkpoint_format is not None:
+        if config.quantizes:
+            flags = [f"--qformat {config.qformat}"] * (config.qformat != "full_prec") + \
+                [f"--kv-cache-dtype {config.kv_cache_dtype}"] * (config.kv_cache_dtype != "auto")
+            raise QuantError(f"the checkpoint is already quantized ({checkpoint_format.name}); {' and '.join(flags)} "
+                             f"would quantize it again, which kiln does not offer: build it without those flags, "
+                             f"or quantize the unquantized checkpoint")
+        quant = checkpoint_format.quant_spec().quant_config()
+        layers = {} if quant is None else quantized_layers(model_def, model_config, quant, dtype)
+        return QuantPlan(config, quant, layers, False, None, checkpoint_format=checkpoint_format)
     if not config.quantizes:
         return None
     group = config.awq_block_size if config.qformat in GROUPED else None
@@ -90,16 +111,38 @@ def producer(plan: QuantPlan, model_def: ModelDef, model_config: ModelConfig,
              read: Callable[[str], torch.Tensor] | None) -> QuantizedProducer:
     """The writer's producer: `float_tensor(name)` makes an unquantized engine tensor, `read(part)` a
     checkpoint tensor (None with dummy weights)."""
+    if plan.checkpoint_format is not None:
+        fmt, modules = plan.checkpoint_format, layer_modules(model_def, model_config, plan.layers)
+        return QuantizedProducer(plan.layers, lambda prefix, layer: fmt.layer_tensors(prefix, layer, modules[prefix],
+                                                                                      read), float_tensor)
     if read is None:
         parts = dummy_parts(float_tensor)
     else:
         linears = plan.result.linears if plan.result is not None and plan.layers else None
         parts = CheckpointParts(model_def, model_config, plan.layers, read, linears)
-    return QuantizedProducer(plan.layers, parts, float_tensor)
+    return QuantizedProducer(plan.layers, quantize_parts(parts), float_tensor)
+
+
+def checkpoint_tensors(plan: QuantPlan, model_def: ModelDef, model_config: ModelConfig) -> tuple[set[str], set[str]]:
+    """(the quantized layers' float weight names, which the checkpoint does not hold as such; the checkpoint
+    tensors the format reads instead) of a pre-quantized checkpoint."""
+    fmt = plan.checkpoint_format
+    modules = layer_modules(model_def, model_config, plan.layers)
+    replaced = {f"{prefix}.weight" for prefix in plan.layers}
+    used = {name for ms in modules.values() for m in ms for name in fmt.module_tensors(m)}
+    return replaced, used | set(fmt.kv_scale_tensors(model_config.num_layers))
+
+
+def read_checkpoint_kv_cache(plan: QuantPlan, read: Callable[[str], torch.Tensor], names: set[str],
+                             num_layers: int) -> None:
+    if plan.checkpoint_format is not None:
+        plan.kv_cache = plan.checkpoint_format.kv_cache_scales(read, names, num_layers)
 
 
 def kv_cache_scales(plan: QuantPlan, num_layers: int) -> list[tuple[float, float]] | None:
     """Per layer (k_scale, v_scale) = calibrated amax / the format's largest value."""
+    if plan.kv_cache is not None:
+        return plan.kv_cache[1]
     if not plan.kv_quantized:
         return None
     qmax = _KV_QMAX[plan.config.kv_cache_dtype]
@@ -108,6 +151,9 @@ def kv_cache_scales(plan: QuantPlan, num_layers: int) -> list[tuple[float, float
 
 
 def quant_spec(plan: QuantPlan) -> QuantSpec:
+    if plan.checkpoint_format is not None:
+        return dataclasses.replace(plan.checkpoint_format.quant_spec(), kv_cache_dtype=plan.kv_cache_dtype
+                                   if plan.kv_quantized else "auto")
     c = plan.config
     result = plan.result
     return QuantSpec(qformat=c.qformat, kv_cache_dtype=c.kv_cache_dtype,

@@ -38,15 +38,22 @@ def needs_calibration(layers: dict[str, Linear]) -> bool:
 
 # (layer prefix, layer) -> the layer's float parts, in row order, with their calibration statistics
 PartsReader = Callable[[str, Linear], list[LinearPart]]
+# (layer prefix, layer) -> the layer's engine tensors (all but its bias)
+LayerMaker = Callable[[str, Linear], dict[str, torch.Tensor]]
+
+
+def quantize_parts(parts: PartsReader) -> LayerMaker:
+    """Layers made by their method's `quantize` from float parts (kiln build --qformat)."""
+    return lambda prefix, layer: layer.method.quantize(parts(prefix, layer))
 
 
 class QuantizedProducer:
     """`producer(name, dtype, shape)` for every tensor of the quantized network: a quantized layer's
-    tensors from its `parts`, any other tensor (and every bias) from `float_tensor(name)`."""
+    tensors from `make_layer`, any other tensor (and every bias) from `float_tensor(name)`."""
 
-    def __init__(self, layers: dict[str, Linear], parts: PartsReader, float_tensor: FloatProducer) -> None:
+    def __init__(self, layers: dict[str, Linear], make_layer: LayerMaker, float_tensor: FloatProducer) -> None:
         self.layers = layers
-        self.parts = parts
+        self.make_layer = make_layer
         self.float_tensor = float_tensor
         self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
 
@@ -55,13 +62,26 @@ class QuantizedProducer:
         if prefix not in self.layers or attr == "bias":
             return self.float_tensor(name)
         if self._cached is None or self._cached[0] != prefix:
-            layer = self.layers[prefix]
-            self._cached = (prefix, layer.method.quantize(self.parts(prefix, layer)))
+            self._cached = (prefix, self.make_layer(prefix, self.layers[prefix]))
         tensor = self._cached[1][attr]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise QuantError(f"{name}: the format made {tensor.dtype} {list(tensor.shape)}, the network declares "
                              f"{dtype} {list(shape)}")
         return tensor
+
+
+def layer_modules(model_def: ModelDef, config: ModelConfig, layers: dict[str, Linear]) -> dict[str, list[str]]:
+    """Each quantized layer's checkpoint modules in row order, from the float network's recipe of its
+    weight ("…qkv_proj" -> […q_proj, …k_proj, …v_proj])."""
+    recipes = model_def.recipes(config, [f"{prefix}.weight" for prefix in layers])
+    modules = {}
+    for prefix in layers:
+        recipe = recipes[f"{prefix}.weight"]
+        if not isinstance(recipe.combine, Single | Concat) or (isinstance(recipe.combine, Concat)
+                                                               and recipe.combine.dim != 0):
+            raise QuantError(f"{prefix}.weight: a weight made by {recipe.combine} cannot be quantized yet")
+        modules[prefix] = [part.removesuffix(".weight") for part in recipe.parts]
+    return modules
 
 
 class CheckpointParts:

@@ -1,5 +1,7 @@
 """`fp8`: FP8 E4M3 weights and activations (W8A8), per-tensor scales, static activation scales from
-ModelOpt's calibration (FP8_DEFAULT_CFG, "max").
+ModelOpt's calibration (FP8_DEFAULT_CFG, "max"). `fp8_dynamic` (pre-quantized checkpoints only: ModelOpt's
+FP8_PER_CHANNEL_PER_TOKEN, compressed-tensors' FP8_DYNAMIC) has no input scale: each token's activations
+are scaled by their own amax at run time.
 
 A fused qkv/gate_up layer keeps each part's own weight scale, expanded to its rows: exact, no
 requantization (the GEMM takes row-wise weight scales).
@@ -26,19 +28,22 @@ from .selection import LayerSelection
 @dataclass(frozen=True)
 class Fp8Linear(QuantizedLinearMethod):
     dtype: torch.dtype = torch.float32
+    dynamic: bool = False  # per-token activation scales at run time instead of a calibrated input_scale
     needs_calibration: ClassVar[bool] = True
 
     def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
         decls = {"weight": TensorDecl((out_features, in_features), torch.float8_e4m3fn),
-                 "weight_scale": TensorDecl((out_features,), torch.float32),  # per row
-                 "input_scale": TensorDecl((1,), torch.float32)}
+                 "weight_scale": TensorDecl((out_features,), torch.float32)}  # per row
+        if not self.dynamic:
+            decls["input_scale"] = TensorDecl((1,), torch.float32)
         if bias:
             decls["bias"] = TensorDecl((out_features,), self.dtype)
         return decls
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        return scaled_linear(x, layer.weight, layer.weight_scale, layer.input_scale, getattr(layer, "bias", None))
+        return scaled_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None),
+                             getattr(layer, "bias", None))
 
     def quantize(self, parts: Sequence[LinearPart]) -> dict[str, torch.Tensor]:
         weights, row_scales = [], []
@@ -55,10 +60,11 @@ class Fp8Linear(QuantizedLinearMethod):
 @dataclass(frozen=True)
 class Fp8Config:
     selection: LayerSelection = field(default_factory=LayerSelection)
+    dynamic: bool = False
 
     def linear_method(self, prefix: str, in_features: int, out_features: int,
                       dtype: torch.dtype) -> Fp8Linear | None:
-        return Fp8Linear(dtype) if self.selection.quantizes(prefix) else None
+        return Fp8Linear(dtype, self.dynamic) if self.selection.quantizes(prefix) else None
 
     def modelopt_config(self) -> dict[str, Any]:
         import modelopt.torch.quantization as mtq

@@ -4,7 +4,9 @@ static per-tensor activation scale, and the smoothing factors.
 SmoothQuant moves activation outliers into the weights: the weight's input columns are multiplied by s
 and the input by 1/s (`pre_quant_scale`, applied before the input is quantized). kiln keeps the
 pre_quant_scale as a tensor of the layer rather than folding it into the preceding norm: exact for
-every layer, o_proj and down_proj included, which have no norm before them.
+every layer, o_proj and down_proj included, which have no norm before them. `int8_dynamic`
+(pre-quantized checkpoints only: compressed-tensors' W8A8) has neither smoothing nor an input scale: each
+token's activations are scaled by their own amax at run time.
 """
 
 from __future__ import annotations
@@ -28,21 +30,23 @@ from .selection import LayerSelection
 @dataclass(frozen=True)
 class Int8SqLinear(QuantizedLinearMethod):
     dtype: torch.dtype = torch.float32
+    dynamic: bool = False  # per-token activation scales, no smoothing (int8_dynamic)
     needs_calibration: ClassVar[bool] = True
 
     def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
         decls = {"weight": TensorDecl((out_features, in_features), torch.int8),
-                 "weight_scale": TensorDecl((out_features,), torch.float32),  # per output channel
-                 "input_scale": TensorDecl((1,), torch.float32),
-                 "pre_quant_scale": TensorDecl((in_features,), torch.float32)}
+                 "weight_scale": TensorDecl((out_features,), torch.float32)}  # per output channel
+        if not self.dynamic:
+            decls["input_scale"] = TensorDecl((1,), torch.float32)
+            decls["pre_quant_scale"] = TensorDecl((in_features,), torch.float32)
         if bias:
             decls["bias"] = TensorDecl((out_features,), self.dtype)
         return decls
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        return scaled_linear(x, layer.weight, layer.weight_scale, layer.input_scale, getattr(layer, "bias", None),
-                             layer.pre_quant_scale)
+        return scaled_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None),
+                             getattr(layer, "bias", None), getattr(layer, "pre_quant_scale", None))
 
     def quantize(self, parts: Sequence[LinearPart]) -> dict[str, torch.Tensor]:
         parts = share_pre_quant_scale(parts)
@@ -64,10 +68,11 @@ class Int8SqLinear(QuantizedLinearMethod):
 @dataclass(frozen=True)
 class Int8SqConfig:
     selection: LayerSelection = field(default_factory=LayerSelection)
+    dynamic: bool = False
 
     def linear_method(self, prefix: str, in_features: int, out_features: int,
                       dtype: torch.dtype) -> Int8SqLinear | None:
-        return Int8SqLinear(dtype) if self.selection.quantizes(prefix) else None
+        return Int8SqLinear(dtype, self.dynamic) if self.selection.quantizes(prefix) else None
 
     def modelopt_config(self) -> dict[str, Any]:
         import modelopt.torch.quantization as mtq

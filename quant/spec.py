@@ -13,7 +13,7 @@ from typing import Any
 from kiln.engine_format.json_fields import check_json_fields
 
 from .base import QuantConfig, QuantError
-from .formats import GROUPED, QFORMATS, quant_config
+from .formats import ENGINE_SCHEMES, GROUPED, quant_config
 from .selection import DEFAULT_EXCLUDED, LayerSelection
 
 
@@ -28,20 +28,34 @@ class CalibrationRecord:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    qformat: str  # one of QFORMATS
+    """`qformat` is one of kiln build's formats (QFORMATS) or a scheme only a pre-quantized checkpoint
+    brings (CHECKPOINT_SCHEMES); `source` names that checkpoint's format."""
+
+    qformat: str  # one of ENGINE_SCHEMES
     kv_cache_dtype: str  # "auto" (the model dtype), "fp8" or "int8"
-    group_size: int | None = None  # INT4 formats
+    group_size: int | None = None  # INT4 formats; weight_only: None = per channel
     exclude_modules: tuple[str, ...] = DEFAULT_EXCLUDED
     modelopt_version: str | None = None  # when ModelOpt calibrated
     calibration: CalibrationRecord | None = None
+    bits: int | None = None  # weight_only: 4 or 8
+    zero_point: bool = False  # weight_only: asymmetric, a zero point per group
+    act_order: bool = False  # weight_only: GPTQ's g_idx (a group per input column)
+    block_size: tuple[int, ...] | None = None  # fp8_block: [rows, cols] of a weight-scale block
+    source: str | None = None  # a pre-quantized checkpoint's format, e.g. "ModelOpt FP8 (hf_quant_config.json)"
 
     def __post_init__(self) -> None:
-        if self.qformat not in QFORMATS:
-            raise QuantError(f"qformat={self.qformat!r} must be one of {', '.join(QFORMATS)}")
+        if self.qformat not in ENGINE_SCHEMES:
+            raise QuantError(f"qformat={self.qformat!r} must be one of {', '.join(ENGINE_SCHEMES)}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise QuantError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be auto, fp8 or int8")
-        if (self.qformat in GROUPED) != (self.group_size is not None):
+        if self.qformat in GROUPED and self.group_size is None:
+            raise QuantError(f"group_size is required for qformat {self.qformat}")
+        if self.qformat not in (*GROUPED, "weight_only") and self.group_size is not None:
             raise QuantError(f"group_size={self.group_size!r} does not fit qformat {self.qformat}")
+        if (self.qformat == "weight_only") != (self.bits is not None) or self.bits not in (None, 4, 8):
+            raise QuantError(f"bits={self.bits!r} does not fit qformat {self.qformat} (weight_only: 4 or 8)")
+        if (self.qformat == "fp8_block") != (self.block_size is not None):
+            raise QuantError(f"block_size={self.block_size!r} does not fit qformat {self.qformat}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 2
                                             or self.group_size % 2):
             raise QuantError(f"group_size={self.group_size!r} must be an even integer >= 2")
@@ -51,11 +65,14 @@ class QuantSpec:
         return self.qformat == "full_prec" and self.kv_cache_dtype == "auto"
 
     def quant_config(self) -> QuantConfig | None:
-        return quant_config(self.qformat, self.group_size, LayerSelection(tuple(self.exclude_modules)))
+        return quant_config(self.qformat, self.group_size, LayerSelection(tuple(self.exclude_modules)),
+                            bits=self.bits, zero_point=self.zero_point, act_order=self.act_order,
+                            block_size=self.block_size)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["exclude_modules"] = list(self.exclude_modules)
+        d["block_size"] = None if self.block_size is None else list(self.block_size)
         return d
 
     @classmethod
@@ -66,6 +83,8 @@ class QuantSpec:
         except ValueError as e:
             raise QuantError(str(e)) from None
         values = {**d, "exclude_modules": tuple(d.get("exclude_modules", DEFAULT_EXCLUDED))}
+        if d.get("block_size") is not None:
+            values["block_size"] = tuple(d["block_size"])
         if d.get("calibration") is not None:
             values["calibration"] = CalibrationRecord(**d["calibration"])
         return cls(**values)

@@ -2,7 +2,8 @@
 
 Weights are stored as integers with float32 scales per group of `group_size` input columns (a group of
 the whole row is per-channel); 4-bit values are packed two to a byte (plugins/int4_pack.py). Symmetric
-4-bit values q in [-8, 7] are stored as q + 8; asymmetric ones as 0..15 with a zero point per group.
+4-bit values q in [-8, 7] are stored as q + 8; asymmetric ones as 0..15 with a zero point per group
+(8-bit asymmetric ones, from pre-quantized checkpoints, as uint8 0..255 with a uint8 zero point).
 
 AWQ's `pre_quant_scale` is kept per part of a fused layer ([parts, in]: q, k and v each with its own),
 because AWQ searched each part's scale on its own: one shared scale (the mean, as ModelOpt's exporter
@@ -43,12 +44,11 @@ class WeightOnlyLinear(QuantizedLinearMethod):
     asymmetric: bool = False
     smoothed: bool = False
     dtype: torch.dtype = torch.float32
+    act_order: bool = False  # GPTQ's desc_act: `g_idx` [in] int32 names each input column's group
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits={self.bits} must be 4 or 8")
-        if self.asymmetric and self.bits != 4:
-            raise ValueError("only 4-bit weights take zero points")
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -65,12 +65,16 @@ class WeightOnlyLinear(QuantizedLinearMethod):
                 output_sizes: tuple[int, ...] | None = None) -> dict[str, TensorDecl]:
         groups = in_features // self.group(in_features)
         packed = (out_features, in_features // 2) if self.bits == 4 else (out_features, in_features)
-        decls = {"qweight": TensorDecl(packed, torch.uint8 if self.bits == 4 else torch.int8),
+        # 8-bit: signed values when symmetric, unsigned 0..255 with a zero point when asymmetric.
+        unsigned = self.bits == 4 or self.asymmetric
+        decls = {"qweight": TensorDecl(packed, torch.uint8 if unsigned else torch.int8),
                  "scales": TensorDecl((out_features, groups), torch.float32)}
         if self.asymmetric:
             decls["zeros"] = TensorDecl((out_features, groups), torch.uint8)
         if self.smoothed:
             decls["pre_quant_scale"] = TensorDecl((len(output_sizes or (out_features,)), in_features), torch.float32)
+        if self.act_order:
+            decls["g_idx"] = TensorDecl((in_features,), torch.int32)
         if bias:
             decls["bias"] = TensorDecl((out_features,), self.dtype)
         return decls
@@ -79,6 +83,9 @@ class WeightOnlyLinear(QuantizedLinearMethod):
         # x: [T, in] -> [T, out]
         group, zeros, bias = self.group(x.shape[-1]), getattr(layer, "zeros", None), getattr(layer, "bias", None)
         pqs = getattr(layer, "pre_quant_scale", None)  # [parts, in] or None
+        if self.act_order:
+            return weight_only_linear(x, layer.qweight, layer.scales, zeros, bits=self.bits, group_size=group,
+                                      bias=bias, g_idx=layer.g_idx)
         if pqs is None or pqs.shape[0] == 1:
             return weight_only_linear(x, layer.qweight, layer.scales, zeros, bits=self.bits, group_size=group,
                                       bias=bias, pre_quant_scale=None if pqs is None else pqs[0])
@@ -95,6 +102,8 @@ class WeightOnlyLinear(QuantizedLinearMethod):
         weight = torch.cat([p.weight.float() for p in parts])  # [out, in]
         group = self.group(weight.shape[1])
         if self.asymmetric:
+            if self.bits != 4:
+                raise QuantError("kiln builds asymmetric weights in 4 bits only (int4_wo)")
             qweight, scales, zeros = _asymmetric(weight, group, self.bits)
         else:
             amax = torch.cat([_part_amax(p, group) for p in parts])  # [out, groups]

@@ -25,6 +25,7 @@ class WeightOnlyConfig:
     asymmetric: bool = False
     smoothed: bool = False
     selection: LayerSelection = field(default_factory=LayerSelection)
+    act_order: bool = False
 
     def linear_method(self, prefix: str, in_features: int, out_features: int,
                       dtype: torch.dtype) -> WeightOnlyLinear | None:
@@ -32,7 +33,7 @@ class WeightOnlyConfig:
             return None
         if self.group_size is not None:
             check_group_size(prefix, in_features, self.group_size, "--awq-block-size")
-        return WeightOnlyLinear(self.bits, self.group_size, self.asymmetric, self.smoothed, dtype)
+        return WeightOnlyLinear(self.bits, self.group_size, self.asymmetric, self.smoothed, dtype, self.act_order)
 
     def modelopt_config(self) -> None:
         return None

@@ -161,7 +161,7 @@ def test_quant_spec_round_trips_and_names_bad_keys():
                      calibration=CalibrationRecord("x.txt", 8, 256, 2048, 1.5))
     assert QuantSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     with pytest.raises(QuantError, match="unknown key"):
-        QuantSpec.from_dict({**spec.to_dict(), "bits": 4})
+        QuantSpec.from_dict({**spec.to_dict(), "nbits": 4})
     with pytest.raises(QuantError, match="qformat='nf4'"):
         QuantSpec.from_dict({**spec.to_dict(), "qformat": "nf4"})
     with pytest.raises(QuantError, match="group_size"):

@@ -254,7 +254,8 @@ def _producer(config: BuildConfig, reader: CheckpointReader | None, model_def: M
     if plan is None:
         produce = float_produce
     else:
-        quantized = quant_producer(plan, model_def, model_config, lambda name: float_produce(by_name[name]), read)
+        quantized = quant_producer(plan, model_def, model_config, lambda name: float_produce(by_name[name]), read,
+                                   set() if reader is None else set(reader.names()))
         produce = lambda spec: quantized(spec.name, spec.dtype, spec.shape)  # noqa: E731
     return produce, desc
 

@@ -108,13 +108,19 @@ def run_calibration(plan: QuantPlan, checkpoint: Path, model_config: ModelConfig
 
 def producer(plan: QuantPlan, model_def: ModelDef, model_config: ModelConfig,
              float_tensor: Callable[[str], torch.Tensor],
-             read: Callable[[str], torch.Tensor] | None) -> QuantizedProducer:
+             read: Callable[[str], torch.Tensor] | None, names: set[str] = frozenset()) -> QuantizedProducer:
     """The writer's producer: `float_tensor(name)` makes an unquantized engine tensor, `read(part)` a
-    checkpoint tensor (None with dummy weights)."""
+    checkpoint tensor (None with dummy weights), `names` the checkpoint's tensor names."""
     if plan.checkpoint_format is not None:
         fmt, modules = plan.checkpoint_format, layer_modules(model_def, model_config, plan.layers)
+
+        def read_part(name: str) -> torch.Tensor:  # a tensor the checkpoint lacks is a KeyError for the format
+            if name not in names:
+                raise KeyError(name)
+            return read(name)
+
         return QuantizedProducer(plan.layers, lambda prefix, layer: fmt.layer_tensors(prefix, layer, modules[prefix],
-                                                                                      read), float_tensor)
+                                                                                      read_part), float_tensor)
     if read is None:
         parts = dummy_parts(float_tensor)
     else:

@@ -29,7 +29,7 @@ def check_qformat(qformat: str) -> str:
 
 
 def quant_config(qformat: str, group_size: int | None = None, selection: LayerSelection | None = None, *,
-                 bits: int | None = None, zero_point: bool = False, act_order: bool = False,
+                 bits: int | None = None, zero_point: bool = False, act_order: bool = False, smoothed: bool = False,
                  block_size: tuple[int, ...] | None = None) -> QuantConfig | None:
     """The scheme's QuantConfig (None for full_prec)."""
     if qformat not in ENGINE_SCHEMES:
@@ -46,8 +46,8 @@ def quant_config(qformat: str, group_size: int | None = None, selection: LayerSe
         "int4_awq": lambda: Int4AwqConfig(group_size=group, selection=selection),
         "int8_wo": lambda: int8_wo(selection),
         "int4_wo": lambda: int4_wo(group, selection),
-        "weight_only": lambda: WeightOnlyConfig(bits, group_size, asymmetric=zero_point, act_order=act_order,
-                                                selection=selection),
+        "weight_only": lambda: WeightOnlyConfig(bits, group_size, asymmetric=zero_point, smoothed=smoothed,
+                                                act_order=act_order, selection=selection),
     }
     return configs[qformat]()
 

@@ -8,11 +8,11 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from .weight_only_formats import WeightOnlyConfig
+from .weight_only_formats import WeightOnlyConfig, _PerPartSmoothing
 
 
 @dataclass(frozen=True)
-class Int4AwqConfig(WeightOnlyConfig):
+class Int4AwqConfig(WeightOnlyConfig, _PerPartSmoothing):
     bits: int = 4
     group_size: int | None = 128
     smoothed: bool = True

@@ -40,6 +40,7 @@ class QuantSpec:
     bits: int | None = None  # weight_only: 4 or 8
     zero_point: bool = False  # weight_only: asymmetric, a zero point per group
     act_order: bool = False  # weight_only: GPTQ's g_idx (a group per input column)
+    smoothed: bool = False  # weight_only: a pre_quant_scale [1, in] per layer (a ModelOpt AWQ export)
     block_size: tuple[int, ...] | None = None  # fp8_block: [rows, cols] of a weight-scale block
     source: str | None = None  # a pre-quantized checkpoint's format, e.g. "ModelOpt FP8 (hf_quant_config.json)"
 
@@ -66,7 +67,7 @@ class QuantSpec:
 
     def quant_config(self) -> QuantConfig | None:
         return quant_config(self.qformat, self.group_size, LayerSelection(tuple(self.exclude_modules)),
-                            bits=self.bits, zero_point=self.zero_point, act_order=self.act_order,
+                            bits=self.bits, zero_point=self.zero_point, act_order=self.act_order, smoothed=self.smoothed,
                             block_size=self.block_size)
 
     def to_dict(self) -> dict[str, Any]:

@@ -45,6 +45,9 @@ class WeightOnlyLinear(QuantizedLinearMethod):
     smoothed: bool = False
     dtype: torch.dtype = torch.float32
     act_order: bool = False  # GPTQ's desc_act: `g_idx` [in] int32 names each input column's group
+    # smoothed: one pre_quant_scale per part of a fused layer ([parts, in]: kiln's AWQ) or one for all
+    # ([1, in]: a ModelOpt export, which resmoothed the parts to one scale and folded it into the norm)
+    per_part_smoothing: bool = True
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -72,7 +75,8 @@ class WeightOnlyLinear(QuantizedLinearMethod):
         if self.asymmetric:
             decls["zeros"] = TensorDecl((out_features, groups), torch.uint8)
         if self.smoothed:
-            decls["pre_quant_scale"] = TensorDecl((len(output_sizes or (out_features,)), in_features), torch.float32)
+            parts = len(output_sizes or (out_features,)) if self.per_part_smoothing else 1
+            decls["pre_quant_scale"] = TensorDecl((parts, in_features), torch.float32)
         if self.act_order:
             decls["g_idx"] = TensorDecl((in_features,), torch.int32)
         if bias:

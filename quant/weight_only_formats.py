@@ -33,10 +33,15 @@ class WeightOnlyConfig:
             return None
         if self.group_size is not None:
             check_group_size(prefix, in_features, self.group_size, "--awq-block-size")
-        return WeightOnlyLinear(self.bits, self.group_size, self.asymmetric, self.smoothed, dtype, self.act_order)
+        return WeightOnlyLinear(self.bits, self.group_size, self.asymmetric, self.smoothed, dtype, self.act_order,
+                                per_part_smoothing=isinstance(self, _PerPartSmoothing))
 
     def modelopt_config(self) -> None:
         return None
+
+
+class _PerPartSmoothing:
+    """Marks a config whose smoothing scale is kept per part of a fused layer (kiln's own AWQ)."""
 
 
 def int8_wo(selection: LayerSelection) -> WeightOnlyConfig:

@@ -19,7 +19,7 @@ from kiln.model_defs.layers.linear import Linear
 
 from ..spec import QuantSpec
 
-# checkpoint tensor name -> tensor (lazily read from the checkpoint's files)
+# checkpoint tensor name -> tensor (lazily read from the checkpoint's files); KeyError for one it lacks
 ReadTensor = Callable[[str], torch.Tensor]
 
 

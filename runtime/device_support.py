@@ -12,18 +12,19 @@ import torch
 from kiln.engine_format import EngineBuildConfig, EngineError
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada Lovelace (sm_89) and Hopper (sm_90) onwards
+FP8_WEIGHT_SCHEMES = ("fp8", "fp8_dynamic", "fp8_block")  # quantization.qformat values with FP8 weights
 
 
 def check_device_supports(build: EngineBuildConfig, device: torch.device) -> None:
     """Raises EngineError, saying what to rebuild with, when `build` needs FP8 (an "fp8" KV cache or
-    weights of qformat "fp8") and `device` is a CUDA GPU older than compute capability 8.9."""
+    weights: qformat fp8, fp8_dynamic, fp8_block) and `device` is a CUDA GPU older than compute capability 8.9."""
     if device.type != "cuda":
         return
     needs = []
     if build.kv_cache_dtype == "fp8":
         needs.append(("an FP8 KV cache", "--kv-cache-dtype int8 or auto"))
-    if isinstance(build.quantization, dict) and build.quantization.get("qformat") == "fp8":
-        needs.append(("FP8 weights", "--qformat int8_sq or int4_awq"))
+    if isinstance(build.quantization, dict) and build.quantization.get("qformat") in FP8_WEIGHT_SCHEMES:
+        needs.append(("FP8 weights", "--qformat int8_sq or int4_awq (from the unquantized checkpoint)"))
     if not needs:
         return
     capability = tuple(torch.cuda.get_device_capability(device))

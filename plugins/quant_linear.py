@@ -161,26 +161,34 @@ def scaled_linear(
 
 
 def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    # qweight: [N, K] int8 (bits 8) or [N, K // 2] uint8 (bits 4); scales, zeros: [N, G] -> [N, K] dtype
-    if bits == 8:
-        q = qweight.float()  # [N, K]
-    else:
-        u = unpack_int4(qweight).float()  # [N, K], 0..15
-        # Symmetric INT4 (ModelOpt's AWQ) stores q + 8; an asymmetric group stores q + its zero point.
-        q = u - 8.0 if zeros is None else u - zeros.float().repeat_interleave(group_size, dim=1)
-    n, k = q.shape
-    w = q.view(n, k // group_size, group_size) * scales[:, :, None]  # [N, G, group_size] float32
-    return w.view(n, k).to(dtype)
+                group_size: int, dtype: torch.dtype, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    # qweight: [N, K] int8 (8 bits, symmetric), [N, K] uint8 (8 bits, asymmetric) or [N, K // 2] uint8 (4 bits);
+    # scales, zeros: [N, G]; g_idx: [K] int32 or None -> [N, K] dtype
+    u = qweight.float() if bits == 8 else unpack_int4(qweight).float()  # [N, K]
+    n, k = u.shape
+    if g_idx is None:  # groups of consecutive columns: broadcast over [N, G, group_size], no [N, K] copies
+        u = u.view(n, k // group_size, group_size)
+        scales, zeros = scales[:, :, None], None if zeros is None else zeros[:, :, None]
+    else:  # GPTQ's act-order: column k takes group g_idx[k]
+        columns = g_idx.long()
+        scales, zeros = scales[:, columns], None if zeros is None else zeros[:, columns]  # [N, K]
+    if zeros is not None:  # asymmetric: the group's zero point is subtracted
+        q = u - zeros.float()
+    elif bits == 4:  # symmetric INT4 (ModelOpt's AWQ, GPTQ sym) stores q + 8
+        q = u - 8.0
+    else:  # symmetric INT8 is stored signed
+        q = u
+    return (q * scales).view(n, k).to(dtype)  # float32 products, one rounding to dtype
 
 
 def _check_quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                            group_size: int) -> int:
+                            group_size: int, g_idx: torch.Tensor | None = None) -> int:
     """Checks a weight-only quantized weight; returns its K (input features)."""
     if type(bits) is not int or bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     check_dims("qweight", qweight, 2)
-    check_dtype("qweight", qweight, (torch.int8,) if bits == 8 else (torch.uint8,))
+    # 8 bits: signed values when symmetric, unsigned 0..255 with zero points when asymmetric.
+    check_dtype("qweight", qweight, (torch.int8,) if bits == 8 and zeros is None else (torch.uint8,))
     if not qweight.is_contiguous():
         raise ValueError(f"qweight must be contiguous, got strides {qweight.stride()}")
     n = qweight.shape[0]
@@ -195,26 +203,33 @@ def _check_quantized_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     check_size("scales", scales, 0, n, "output features of qweight")
     check_size("scales", scales, 1, groups, f"groups: K = {k} / group_size = {group_size}")
     if zeros is not None:
-        if bits == 8:
-            raise ValueError("zeros must be None for 8-bit weights (symmetric only)")
         check_dims("zeros", zeros, 2)
         check_dtype("zeros", zeros, (torch.uint8,))
         check_size("zeros", zeros, 0, n, "output features of qweight")
         check_size("zeros", zeros, 1, groups, f"groups: K = {k} / group_size = {group_size}")
-    check_same_device(qweight=qweight, scales=scales, **_optional(zeros=zeros))
+    if g_idx is not None:
+        _check_vector("g_idx", g_idx, k, (torch.int32,), "input features of qweight")
+        # The values are read only where that costs no device sync (a plain CPU tensor); on a GPU an index out
+        # of range fails in the gather itself.
+        if runs_reference_directly(g_idx) and k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise ValueError(f"g_idx holds groups {int(g_idx.min())}..{int(g_idx.max())}; they must be in "
+                             f"0..{groups - 1} (K = {k} / group_size = {group_size})")
+    check_same_device(qweight=qweight, scales=scales, **_optional(zeros=zeros, g_idx=g_idx))
     return k
 
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                      group_size: int, dtype: torch.dtype) -> torch.Tensor:
+                      group_size: int, dtype: torch.dtype, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """The real weight [N, K] in `dtype` of a weight-only quantized one, as weight_only_linear sees it.
 
-    bits=8: qweight: [N, K] int8, symmetric (zeros None). bits=4: qweight: [N, K // 2] uint8 from
-    pack_int4, nibble u meaning u - 8 (zeros None) or u - zeros[n, g]. scales: [N, K // group_size] float32;
-    zeros: [N, K // group_size] uint8 (0..15) or None. Value = q * scale in float32, then cast to dtype.
+    bits=8: qweight: [N, K] int8, symmetric (zeros None), or [N, K] uint8 u meaning u - zeros[n, g]
+    (asymmetric). bits=4: qweight: [N, K // 2] uint8 from pack_int4, nibble u meaning u - 8 (zeros None) or
+    u - zeros[n, g]. scales: [N, K // group_size] float32; zeros: [N, K // group_size] uint8 or None.
+    g: the group of column k, k // group_size, or g_idx[k] when g_idx ([K] int32, GPTQ's act-order) is given.
+    Value = q * scale in float32, then cast to dtype.
     """
-    _check_quantized_weight(qweight, scales, zeros, bits, group_size)
-    return _dequantize(qweight, scales, zeros, bits, group_size, dtype)
+    _check_quantized_weight(qweight, scales, zeros, bits, group_size, g_idx)
+    return _dequantize(qweight, scales, zeros, bits, group_size, dtype, g_idx)
 
 
 def weight_only_linear_reference(
@@ -226,13 +241,14 @@ def weight_only_linear_reference(
     group_size: int,
     bias: torch.Tensor | None,
     pre_quant_scale: torch.Tensor | None,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # The op's arguments are all positional: torch.library takes no keyword-only Tensor arguments.
-    # x: [T, K] float; qweight: [N, K] int8 or [N, K // 2] uint8; scales, zeros: [N, K // group_size];
-    # bias: [N] x.dtype; pre_quant_scale: [K] float32 -> [T, N] x.dtype
+    # x: [T, K] float; qweight: [N, K] int8 / uint8 or [N, K // 2] uint8; scales, zeros: [N, K // group_size];
+    # bias: [N] x.dtype; pre_quant_scale: [K] float32; g_idx: [K] int32 -> [T, N] x.dtype
     # A W4A16 kernel smooths x in its own dtype and multiplies it with the weight dequantized to that dtype.
     xs = x if pre_quant_scale is None else (x.float() * pre_quant_scale).to(x.dtype)
-    w = _dequantize(qweight, scales, zeros, bits, group_size, x.dtype)  # [N, K]
+    w = _dequantize(qweight, scales, zeros, bits, group_size, x.dtype, g_idx)  # [N, K]
     y = xs.float() @ w.float().t()  # [T, N]
     if bias is not None:
         y = y + bias.float()
@@ -244,7 +260,7 @@ _weight_only_linear_op = torch.library.custom_op("kiln::weight_only_linear", mut
 
 
 @_weight_only_linear_op.register_fake
-def _(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale):
+def _(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx=None):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
@@ -258,16 +274,18 @@ def weight_only_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
     pre_quant_scale: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W8A16 / W4A16 linear: x: [T, K] float (last dim contiguous) -> [T, N] in x's dtype.
 
-    The weight (see dequantize_weight for qweight, scales, zeros) is dequantized to x's dtype and multiplied
-    in float32. group_size divides K; per-channel weights pass group_size = K (scales [N, 1]).
+    The weight (see dequantize_weight for qweight, scales, zeros, g_idx) is dequantized to x's dtype and
+    multiplied in float32. group_size divides K; per-channel weights pass group_size = K (scales [N, 1]).
+    g_idx: [K] int32, each input column's group (GPTQ act-order), instead of column // group_size.
     pre_quant_scale: [K] float32 multiplies x (in x's dtype) first (AWQ smoothing). bias: [N] in x's dtype.
     """
-    k = _check_quantized_weight(qweight, scales, zeros, bits, group_size)
+    k = _check_quantized_weight(qweight, scales, zeros, bits, group_size, g_idx)
     _check_x(x, k, "input features of qweight")
     _check_bias_and_smoothing(x, qweight.shape[0], k, bias, pre_quant_scale)
     check_same_device(x=x, qweight=qweight, **_optional(bias=bias, pre_quant_scale=pre_quant_scale))
     op = weight_only_linear_reference if runs_reference_directly(x) else _weight_only_linear_op
-    return op(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale)
+    return op(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx)

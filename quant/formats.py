@@ -47,7 +47,7 @@ def quant_config(qformat: str, group_size: int | None = None, selection: LayerSe
         "int8_wo": lambda: int8_wo(selection),
         "int4_wo": lambda: int4_wo(group, selection),
         "weight_only": lambda: WeightOnlyConfig(bits, group_size, asymmetric=zero_point, smoothed=smoothed,
-                                                act_order=act_order, selection=selection),
+                                                act_order=act_order, selection=selection, group_flag=None),
     }
     return configs[qformat]()
 

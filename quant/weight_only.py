@@ -27,11 +27,13 @@ from .base import LinearPart, QuantError, QuantizedLinearMethod
 from .rounding import TINY, amax_floor, group_view, int_max, int_quantize
 
 
-def check_group_size(prefix: str, in_features: int, group_size: int, flag: str) -> None:
-    """A layer whose input width the group size does not divide fails before any work, named."""
+def check_group_size(prefix: str, in_features: int, group_size: int, flag: str | None) -> None:
+    """A layer whose input width the group size does not divide fails before any work, named; `flag` is the
+    option that sets the group size (None: a pre-quantized checkpoint's own, which kiln cannot change)."""
     if in_features % group_size:
-        raise QuantError(f"{prefix}: in_features {in_features} is not divisible by the group size {group_size}; "
-                         f"pass a {flag} that divides {in_features} (e.g. 64 or 32)")
+        fix = (f"pass a {flag} that divides {in_features} (e.g. 64 or 32)" if flag else
+               "the checkpoint's quantization_config group_size does not fit this model's layers")
+        raise QuantError(f"{prefix}: in_features {in_features} is not divisible by the group size {group_size}; {fix}")
 
 
 @dataclass(frozen=True)

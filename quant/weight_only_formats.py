@@ -26,13 +26,14 @@ class WeightOnlyConfig:
     smoothed: bool = False
     selection: LayerSelection = field(default_factory=LayerSelection)
     act_order: bool = False
+    group_flag: str | None = "--awq-block-size"  # what sets group_size; None for a checkpoint's own
 
     def linear_method(self, prefix: str, in_features: int, out_features: int,
                       dtype: torch.dtype) -> WeightOnlyLinear | None:
         if not self.selection.quantizes(prefix):
             return None
         if self.group_size is not None:
-            check_group_size(prefix, in_features, self.group_size, "--awq-block-size")
+            check_group_size(prefix, in_features, self.group_size, self.group_flag)
         return WeightOnlyLinear(self.bits, self.group_size, self.asymmetric, self.smoothed, dtype, self.act_order,
                                 per_part_smoothing=isinstance(self, _PerPartSmoothing))
 

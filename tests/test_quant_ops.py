@@ -217,24 +217,31 @@ def test_scaled_linear_rejects_bad_arguments(bad, message):
 # --- weight_only_linear (W8A16, W4A16) ------------------------------------------------------------------
 
 
-def _weight_only_case(n: int, k: int, bits: int, group_size: int, asymmetric: bool):
-    """Random quantized values q: [N, K] int64, and what weight_only_linear takes for them."""
+def _weight_only_case(n: int, k: int, bits: int, group_size: int, asymmetric: bool, act_order: bool = False):
+    """Random quantized values q: [N, K] int64, and what weight_only_linear takes for them: (q, qweight, scales,
+    zeros, g_idx). With act_order each column gets a random group (GPTQ's g_idx), every group used."""
     groups = k // group_size
     scales = torch.rand(n, groups) * 0.05 + 0.01
-    if bits == 8:
+    # The group of each column: k // group_size, or a random permutation of that (GPTQ's desc_act).
+    group_of = torch.arange(k) // group_size  # [K]
+    g_idx = None
+    if act_order:
+        group_of = group_of[torch.randperm(k)]
+        g_idx = group_of.to(torch.int32)
+    if bits == 8 and not asymmetric:
         q = torch.randint(-128, 128, (n, k))
-        return q, q.to(torch.int8), scales, None
-    u = torch.randint(0, 16, (n, k))
-    zeros = torch.randint(0, 16, (n, groups)) if asymmetric else None
-    group_of = torch.arange(k) // group_size  # [K]: the group of each column
-    q = u - (8 if zeros is None else zeros[:, group_of])
-    packed = (u[:, 0::2] + 16 * u[:, 1::2]).to(torch.uint8)  # [N, K // 2]
-    return q, packed, scales, None if zeros is None else zeros.to(torch.uint8)
+        return q, q.to(torch.int8), scales, None, g_idx
+    levels = 2 ** bits
+    u = torch.randint(0, levels, (n, k))
+    zeros = torch.randint(0, levels, (n, groups)) if asymmetric else None
+    q = u - (levels // 2 if zeros is None else zeros[:, group_of])
+    packed = u.to(torch.uint8) if bits == 8 else (u[:, 0::2] + 16 * u[:, 1::2]).to(torch.uint8)  # [N, K // 2]
+    return q, packed, scales, None if zeros is None else zeros.to(torch.uint8), g_idx
 
 
-def _expected_weight_only(x, q, scales, group_size, bias=None, pre_quant_scale=None):
+def _expected_weight_only(x, q, scales, group_size, bias=None, pre_quant_scale=None, g_idx=None):
     """The W4A16 formula by hand: the weight dequantized to x's dtype, the product in float64."""
-    group_of = torch.arange(q.shape[1]) // group_size
+    group_of = torch.arange(q.shape[1]) // group_size if g_idx is None else g_idx.long()
     w = (q.float() * scales[:, group_of]).to(x.dtype)  # [N, K]
     xs = x if pre_quant_scale is None else (x.float() * pre_quant_scale).to(x.dtype)
     y = xs.double() @ w.double().T
@@ -242,7 +249,7 @@ def _expected_weight_only(x, q, scales, group_size, bias=None, pre_quant_scale=N
 
 
 WEIGHT_ONLY_FORMATS = [  # (bits, group_size, asymmetric); K = 64
-    (4, 16, False), (4, 32, True), (4, 64, False), (8, 64, False), (8, 16, False)]
+    (4, 16, False), (4, 32, True), (4, 64, False), (8, 64, False), (8, 16, False), (8, 16, True), (8, 64, True)]
 
 
 @pytest.mark.parametrize("bits, group_size, asymmetric", WEIGHT_ONLY_FORMATS)
@@ -251,7 +258,7 @@ WEIGHT_ONLY_FORMATS = [  # (bits, group_size, asymmetric); K = 64
 def test_weight_only_linear_matches_the_formula(bits, group_size, asymmetric, xdtype, with_bias, with_smoothing):
     torch.manual_seed(4)
     t, k, n = 6, 64, 24
-    q, qweight, scales, zeros = _weight_only_case(n, k, bits, group_size, asymmetric)
+    q, qweight, scales, zeros, _ = _weight_only_case(n, k, bits, group_size, asymmetric)
     x = torch.randn(t, k).to(xdtype)
     bias = torch.randn(n).to(xdtype) if with_bias else None
     pre_quant_scale = torch.rand(k) + 0.5 if with_smoothing else None
@@ -264,7 +271,7 @@ def test_weight_only_linear_matches_the_formula(bits, group_size, asymmetric, xd
 @pytest.mark.parametrize("bits, group_size, asymmetric", WEIGHT_ONLY_FORMATS)
 def test_dequantize_weight_is_q_times_its_groups_scale(bits, group_size, asymmetric):
     torch.manual_seed(5)
-    q, qweight, scales, zeros = _weight_only_case(8, 64, bits, group_size, asymmetric)
+    q, qweight, scales, zeros, _ = _weight_only_case(8, 64, bits, group_size, asymmetric)
     group_of = torch.arange(64) // group_size
     for dtype in (torch.float32, torch.bfloat16):
         w = dequantize_weight(qweight, scales, zeros, bits, group_size, dtype)
@@ -280,9 +287,49 @@ def test_int4_packed_by_pack_int4_is_what_weight_only_linear_reads():
     _assert_close_to(y, _expected_weight_only(x, q, scales, 16))
 
 
+@pytest.mark.parametrize("bits, group_size, asymmetric", WEIGHT_ONLY_FORMATS)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_weight_only_linear_with_g_idx_matches_the_formula(bits, group_size, asymmetric, xdtype):
+    # GPTQ act-order: column k takes the scale and zero point of group g_idx[k], not k // group_size.
+    torch.manual_seed(9)
+    t, k, n = 5, 64, 16
+    q, qweight, scales, zeros, g_idx = _weight_only_case(n, k, bits, group_size, asymmetric, act_order=True)
+    x, bias = torch.randn(t, k).to(xdtype), torch.randn(n).to(xdtype)
+    y = weight_only_linear(x, qweight, scales, zeros, bits=bits, group_size=group_size, bias=bias, g_idx=g_idx)
+    assert y.dtype == xdtype and y.shape == (t, n)
+    _assert_close_to(y, _expected_weight_only(x, q, scales, group_size, bias, g_idx=g_idx))
+    group_of = g_idx.long()
+    assert torch.equal(dequantize_weight(qweight, scales, zeros, bits, group_size, torch.float32, g_idx),
+                       q.float() * scales[:, group_of])
+
+
+def test_g_idx_of_k_over_group_size_is_the_plain_grouping():
+    torch.manual_seed(10)
+    _, qweight, scales, zeros, _ = _weight_only_case(8, 64, 4, 16, asymmetric=True)
+    plain = torch.arange(64, dtype=torch.int32) // 16
+    assert torch.equal(dequantize_weight(qweight, scales, zeros, 4, 16, torch.float32, plain),
+                       dequantize_weight(qweight, scales, zeros, 4, 16, torch.float32))
+
+
+def test_dequantize_weight_by_hand():
+    # 4 bits, asymmetric, groups of 2 scattered by g_idx = [1, 0, 0, 1]: u = [3, 15, 0, 9], zeros [2, 7],
+    # scales [0.5, 2]: (3 - 7) * 2, (15 - 2) * 0.5, (0 - 2) * 0.5, (9 - 7) * 2.
+    packed = torch.tensor([[3 + 16 * 15, 0 + 16 * 9]], dtype=torch.uint8)
+    zeros, scales = torch.tensor([[2, 7]], dtype=torch.uint8), torch.tensor([[0.5, 2.0]])
+    g_idx = torch.tensor([1, 0, 0, 1], dtype=torch.int32)
+    assert dequantize_weight(packed, scales, zeros, 4, 2, torch.float32, g_idx).tolist() == [[-8.0, 6.5, -1.0, 4.0]]
+    # 8 bits, asymmetric (uint8 values, uint8 zero points), groups of 2 in order: u = [0, 255, 128, 7],
+    # zeros [128, 3], scales [0.25, 1]: (0 - 128) * 0.25, (255 - 128) * 0.25, (128 - 3) * 1, (7 - 3) * 1.
+    u = torch.tensor([[0, 255, 128, 7]], dtype=torch.uint8)
+    zeros, scales = torch.tensor([[128, 3]], dtype=torch.uint8), torch.tensor([[0.25, 1.0]])
+    assert dequantize_weight(u, scales, zeros, 8, 2, torch.float32).tolist() == [[-32.0, 31.75, 125.0, 4.0]]
+    x = torch.tensor([[1.0, 2.0, 0.0, -1.0]])
+    assert weight_only_linear(x, u, scales, zeros, bits=8, group_size=2).tolist() == [[-32.0 + 63.5 - 4.0]]
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_weight_only_linear_of_no_tokens(bits):
-    _, qweight, scales, zeros = _weight_only_case(8, 32, bits, 16, asymmetric=bits == 4)
+    _, qweight, scales, zeros, _ = _weight_only_case(8, 32, bits, 16, asymmetric=bits == 4)
     y = weight_only_linear(torch.zeros(0, 32, dtype=torch.float16), qweight, scales, zeros, bits=bits,
                            group_size=16, bias=torch.zeros(8, dtype=torch.float16), pre_quant_scale=torch.ones(32))
     assert y.shape == (0, 8) and y.dtype == torch.float16
@@ -292,7 +339,7 @@ def test_weight_only_linear_through_the_torch_library_op():
     torch.manual_seed(7)
     x, bias, smoothing = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16), torch.rand(64)
     for bits, group_size, asymmetric in WEIGHT_ONLY_FORMATS:
-        _, qweight, scales, zeros = _weight_only_case(8, 64, bits, group_size, asymmetric)
+        _, qweight, scales, zeros, _ = _weight_only_case(8, 64, bits, group_size, asymmetric)
         args = (x, qweight, scales, zeros, bits, group_size, bias, smoothing)
         via_op = torch.ops.kiln.weight_only_linear(*args)
         assert torch.equal(via_op, weight_only_linear(x, qweight, scales, zeros, bits=bits, group_size=group_size,
@@ -301,9 +348,22 @@ def test_weight_only_linear_through_the_torch_library_op():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+def test_weight_only_linear_with_g_idx_through_the_torch_library_op():
+    torch.manual_seed(8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    for bits, group_size, asymmetric in WEIGHT_ONLY_FORMATS:
+        _, qweight, scales, zeros, g_idx = _weight_only_case(8, 64, bits, group_size, asymmetric, act_order=True)
+        args = (x, qweight, scales, zeros, bits, group_size, None, None, g_idx)
+        via_op = torch.ops.kiln.weight_only_linear(*args)
+        assert torch.equal(via_op, weight_only_linear(x, qweight, scales, zeros, bits=bits, group_size=group_size,
+                                                      g_idx=g_idx))
+        torch.library.opcheck(torch.ops.kiln.weight_only_linear.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def _weight_only_call(**bad):
     args = dict(x=torch.randn(2, 8), qweight=torch.zeros(4, 4, dtype=torch.uint8), scales=torch.ones(4, 2),
-                zeros=None, bits=4, group_size=4, bias=None, pre_quant_scale=None)
+                zeros=None, bits=4, group_size=4, bias=None, pre_quant_scale=None, g_idx=None)
     args.update(bad)
     return weight_only_linear(**args)
 
@@ -327,8 +387,16 @@ def _weight_only_call(**bad):
     (dict(scales=torch.ones(4, 2, dtype=torch.float16)), "scales has dtype"),
     (dict(zeros=torch.zeros(4, 2, dtype=torch.int32)), "zeros has dtype"),
     (dict(zeros=torch.zeros(4, 1, dtype=torch.uint8)), r"zeros.shape\[1\] is 1, expected 2"),
+    # 8 bits: signed int8 when symmetric, uint8 with zero points when asymmetric
     (dict(zeros=torch.zeros(4, 1, dtype=torch.uint8), bits=8, group_size=8, scales=torch.ones(4, 1),
-          qweight=torch.zeros(4, 8, dtype=torch.int8)), "zeros must be None for 8-bit weights"),
+          qweight=torch.zeros(4, 8, dtype=torch.int8)), "qweight has dtype torch.int8"),
+    (dict(g_idx=torch.zeros(8, dtype=torch.int64)), "g_idx has dtype"),
+    (dict(g_idx=torch.zeros(7, dtype=torch.int32)), r"g_idx.shape\[0\] is 7, expected 8"),
+    (dict(g_idx=torch.zeros(8, 1, dtype=torch.int32)), "g_idx must have 1 dims"),
+    (dict(g_idx=torch.tensor([0, 1, 2, 0, 1, 0, 1, 0], dtype=torch.int32)),
+     r"g_idx holds groups 0..2; they must be in 0..1 \(K = 8 / group_size = 4\)"),
+    (dict(g_idx=torch.tensor([0, 1, -1, 0, 1, 0, 1, 0], dtype=torch.int32)), "g_idx holds groups -1..1"),
+    (dict(g_idx=torch.zeros(8, dtype=torch.int32, device="meta")), "different devices"),
     (dict(bias=torch.ones(5)), r"bias.shape\[0\] is 5, expected 4"),
     (dict(bias=torch.ones(4, dtype=torch.bfloat16)), "bias has dtype"),
     (dict(pre_quant_scale=torch.ones(4)), r"pre_quant_scale.shape\[0\] is 4, expected 8"),

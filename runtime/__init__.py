@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .async_llm import AsyncLLM
+    from .guided_decoding import GuidedDecoding
     from .llm import LLM
     from .outputs import RequestOutput
     from .sampling_params import SamplingParams
 
-_PUBLIC = {"LLM": ".llm", "AsyncLLM": ".async_llm", "RequestOutput": ".outputs", "SamplingParams": ".sampling_params"}
-__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams"]
+_PUBLIC = {"LLM": ".llm", "AsyncLLM": ".async_llm", "RequestOutput": ".outputs", "SamplingParams": ".sampling_params",
+           "GuidedDecoding": ".guided_decoding"}
+__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding"]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ from typing import Any
 
 from .engine import Prompt
 from .engine_factory import create_engine
+from .guided_decoding import GuidedDecoding
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -45,6 +46,11 @@ class AsyncLLM:
         """Yields cumulative outputs for one request as it advances; the last one has `finished` set.
         Invalid input raises ValueError (naming the field) before anything is queued."""
         loop = asyncio.get_running_loop()
+        guided = sampling_params.guided_decoding if isinstance(sampling_params, SamplingParams) else None
+        if guided is not None:
+            # Compile here, off the engine thread, so a slow constraint does not stall every running request;
+            # add_request then finds it in the compiler's cache. A bad one raises its ValueError here.
+            await loop.run_in_executor(None, self._compile, guided)
         sink: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", prompt, sampling_params, request_id, loop, sink, added))
@@ -66,6 +72,9 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._send(("abort", request_id, None))
+
+    def _compile(self, guided: GuidedDecoding) -> None:
+        self.engine.guided_masker().compiler.compile(guided)
 
     def _abort_if_added(self, added: concurrent.futures.Future) -> None:
         if not added.cancelled() and added.exception() is None:

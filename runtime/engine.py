@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
 from .engine_loader import EngineInfo, RuntimeConfig
@@ -25,6 +27,9 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from .token_mask import TokenMasker
 from .tracked_request import TrackedRequest
+
+if TYPE_CHECKING:
+    from .guided_masker import GuidedMasker
 
 Prompt = str | Sequence[int]
 
@@ -54,6 +59,10 @@ class LLMEngine:
         self.sampler = Sampler()
         # The sampler's token-mask stage (guided decoding sets it); None: every token may be sampled.
         self.token_masker: TokenMasker | None = None
+        # The GuidedMasker, made on the first constrained request (it needs xgrammar). The lock: AsyncLLM
+        # compiles constraints off the engine thread, through the same masker.
+        self._guided: GuidedMasker | None = None
+        self._guided_lock = threading.Lock()
         self.eos_token_ids = frozenset(info.model_config.eos_token_ids)
         self._tracked: dict[str, TrackedRequest] = {}
         self._ids = itertools.count()
@@ -116,10 +125,30 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.guided_decoding is not None:  # compiles it: a bad constraint fails before scheduling
+            self.guided_masker().add_request(request_id, params.guided_decoding)
         request = Request(request_id, token_ids, params, self.eos_token_ids)
         self._tracked[request_id] = TrackedRequest.start(request, self.tokenizer, self.runtime.device)
         self.scheduler.add_request(request)
         return request_id
+
+    def guided_masker(self) -> GuidedMasker:
+        """The engine's GuidedMasker (the token masker of guided decoding), made on first use; a ValueError
+        when xgrammar is not installed or the engine has no tokenizer. Its compiler may be used from any
+        thread; the rest of it belongs to the engine thread."""
+        with self._guided_lock:
+            if self._guided is None:
+                if self.token_masker is not None:
+                    raise ValueError("guided_decoding cannot be combined with this engine's own token_masker")
+                try:
+                    from .guided_masker import GuidedMasker
+                except ModuleNotFoundError as e:
+                    if e.name != "xgrammar":
+                        raise
+                    raise ValueError("guided_decoding needs xgrammar: pip install xgrammar") from None
+                self._guided = self.token_masker = GuidedMasker.for_engine(
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            return self._guided
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its KV blocks; returns its final output (None if unknown)."""
@@ -224,8 +253,11 @@ class LLMEngine:
                 endings.append((request_id, status))
         self.scheduler.update_after_step(launched.schedule, accepted)
         if self.token_masker is not None:
+            ending = {request_id for request_id, _ in endings}
             for request_id, tokens in accepted.items():
-                self.token_masker.accept(request_id, tokens)
+                # A constraint that has ended (its grammar took EOS under ignore_eos or min_tokens) ends it.
+                if self.token_masker.accept(request_id, tokens) and request_id not in ending:
+                    endings.append((request_id, RequestStatus.FINISHED_STOPPED))
         for request_id, status in endings:
             self.scheduler.finish_request(request_id, status)
             del self._tracked[request_id]

@@ -14,7 +14,10 @@ def apply_min_tokens(mask: torch.Tensor | None, rows: Sequence[SamplingRow], eos
                      vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """`mask` ([R, V] bool or None) with EOS and stop token ids turned off in the rows still short of their
     min_tokens. Row i samples output token len(rows[i].output_token_ids) + (its index among its request's
-    rows). Returns `mask` unchanged (no allocation) when no row is short, the common case."""
+    rows). Returns `mask` unchanged (no allocation) when no row is short, the common case.
+
+    A row of `mask` (guided decoding) that allows nothing but EOS and stop ids keeps them: the constraint is
+    complete, and ending is better than an empty row, from which the sampler could pick no valid token."""
     banned: list[tuple[int, list[int]]] = []
     seen: dict[int, int] = {}  # id(output list) -> rows of that request so far in this step
     for i, row in enumerate(rows):
@@ -30,8 +33,12 @@ def apply_min_tokens(mask: torch.Tensor | None, rows: Sequence[SamplingRow], eos
                 banned.append((i, ids))
     if not banned:
         return mask
+    before = None if mask is None else mask.clone()
     if mask is None:
         mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
     for i, ids in banned:
         mask[i, torch.tensor(ids, device=device)] = False
-    return mask
+    if before is None:
+        return mask
+    emptied = ~mask.any(dim=1, keepdim=True)  # [R, 1]; no host sync
+    return torch.where(emptied, before, mask)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .guided_decoding import GuidedDecoding
+
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
@@ -27,7 +29,9 @@ class SamplingParams:
     token, the most likely `top_logprobs` tokens of that same distribution; `prompt_top_logprobs` (with
     `prompt_logprobs`) does the same for every prompt position after the first. `min_tokens`: EOS and
     `stop_token_ids` do not end the request before that many tokens are generated (stop strings still do).
-    `skip_special_tokens=False` keeps special tokens' text in the output text.
+    `skip_special_tokens=False` keeps special tokens' text in the output text. `guided_decoding`
+    constrains the output to a JSON schema, any JSON object, a regex, an EBNF grammar or a list of choices
+    (`GuidedDecoding`; needs xgrammar); EOS then ends the request only where the constraint allows it.
     """
 
     max_tokens: int = 16
@@ -48,6 +52,7 @@ class SamplingParams:
     prompt_top_logprobs: int = 0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
@@ -91,6 +96,8 @@ class SamplingParams:
                  "prompt_top_logprobs", self.prompt_top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _require(self.prompt_top_logprobs == 0 or self.prompt_logprobs, "prompt_top_logprobs",
                  self.prompt_top_logprobs, "needs prompt_logprobs=True")
+        _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecoding),
+                 "guided_decoding", self.guided_decoding, "must be None or a GuidedDecoding")
 
     @property
     def greedy(self) -> bool:

@@ -22,8 +22,10 @@ class TokenMasker(Protocol):
         width), which may exceed the tokenizer's."""
         ...
 
-    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Advances the request's constraint past the tokens it accepted this step."""
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Advances the request's constraint past the tokens it accepted this step. True when the constraint
+        has ended (guided decoding: its grammar accepted a stop token); the engine then ends the request with
+        finish_reason "stop"."""
         ...
 
     def release(self, request_id: str) -> None:

@@ -34,6 +34,9 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones, on a loopback bind ("*": any)
     allowed_origins: tuple[str, ...] = ()  # web origins whose cross-origin requests are served ("*": any)
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's chat template
+    # the tool-call format the chat API reads and constrains (serve/tool_calls.py): llama3_json or hermes;
+    # None: the engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes)
+    tool_call_parser: str | None = None
     # runtime overrides (None: the engine's build limits / what memory allows)
     device: str | None = None
     max_batch_size: int | None = None
@@ -67,6 +70,9 @@ class ServeConfig:
         for name in ("keep_alive_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServeConfig.{name}={getattr(self, name)!r} is invalid: must be > 0 seconds")
+        if self.tool_call_parser not in (None, "llama3_json", "hermes"):
+            raise ValueError(f"ServeConfig.tool_call_parser={self.tool_call_parser!r} is invalid: must be "
+                             "llama3_json or hermes")
         for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request", "max_prompt_tokens_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -15,7 +15,8 @@ from kiln.runtime.engine import Prompt
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
-from .errors import InvalidRequest, Overloaded, Unavailable
+from .errors import Overloaded, Unavailable
+from .guided_request import engine_refusal
 from .metrics import ServeMetrics
 
 
@@ -94,11 +95,13 @@ class EngineService:
         return f"{prefix}-{next(self._ids)}"
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,
-                       cut_off_is_error: bool = False) -> AsyncIterator[Delta]:
+                       cut_off_is_error: bool = False, guided_field: str | None = None) -> AsyncIterator[Delta]:
         """Yields a Delta per engine update; the last has `finished`. Invalid input raises InvalidRequest
         (before anything is yielded); a server that is shutting down raises Unavailable, and a full queue
         Overloaded. With `cut_off_is_error` (Triton's protocols, which have no finish reason), a request
-        that shutdown aborted raises Unavailable instead of ending as a success with partial text."""
+        that shutdown aborted raises Unavailable instead of ending as a success with partial text.
+        `guided_field`: the request field that `params.guided_decoding` came from, which the error names when
+        the engine cannot compile the constraint."""
         self.check_admission()
         request_id = request_id or self.new_request_id()
         metrics = self.metrics
@@ -113,7 +116,7 @@ class EngineService:
                 out = await anext(stream)
             except ValueError as e:
                 outcome = "rejected"
-                raise InvalidRequest(str(e)) from None
+                raise engine_refusal(e, guided_field) from None
             metrics.prompt_tokens.inc(len(out.prompt_token_ids))
             while True:
                 now = time.perf_counter()

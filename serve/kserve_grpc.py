@@ -26,6 +26,7 @@ import kiln
 from .config import ServeConfig
 from .engine_service import EngineService
 from .errors import InvalidRequest, NotFound, RequestError
+from .guided_request import TRITON_GUIDE_LABEL
 from .http_common import check_api_key
 from .limits import RequestLimits
 from .triton_batch import cancel_and_wait, complete_all
@@ -236,7 +237,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                            emit: Callable[[pb.ModelStreamInferResponse], None], last_is_final: bool) -> None:
         """One response per new piece of text (never the prompt): output_log_probs holds the piece's tokens,
         cum_log_probs the sum over all tokens so far."""
-        async with contextlib.aclosing(self.service.generate(row.prompt, row.params, cut_off_is_error=True)) as stream:
+        stream = self.service.generate(row.prompt, row.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL)
+        async with contextlib.aclosing(stream) as stream:
             async for delta in stream:
                 if not (delta.text or delta.finished or (row.return_log_probs and delta.logprobs)):
                     continue  # nothing to show yet (e.g. text a stop string might still cut)

@@ -18,6 +18,7 @@ import kiln
 
 from .client_json import long_integer_error
 from .errors import InvalidRequest, NotFound, RequestError
+from .guided_request import TRITON_GUIDE_LABEL
 from .http_body import check_json_containers
 from .http_common import CONFIG, SERVICE, read_json, read_request_body
 from .kserve_tensors import (
@@ -185,8 +186,9 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
     name = _model_name(request)
     generate_request = _generate_request(await read_json(request))
     service = request.app[SERVICE]
-    async with contextlib.aclosing(service.generate(generate_request.prompt, generate_request.params,
-                                                    cut_off_is_error=True)) as stream:
+    stream = service.generate(generate_request.prompt, generate_request.params, cut_off_is_error=True,
+                              guided_field=TRITON_GUIDE_LABEL)
+    async with contextlib.aclosing(stream) as stream:
         delta = await anext(stream)  # raises InvalidRequest (too long, ...) before any event
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache"})

@@ -24,7 +24,7 @@ from .engine_service import Delta, EngineService
 from .errors import InvalidRequest, RequestError, Unavailable
 from .http_common import CONFIG, SERVICE, read_json
 from .limits import RequestLimits
-from .openai_chat import chat_job
+from .openai_chat import chat_job, tool_call_parser
 from .openai_completions import completion_job
 from .openai_request import Choice, Job, check_model, usage
 
@@ -44,7 +44,8 @@ async def _generate_all(request: web.Request, job: Job) -> AsyncIterator[tuple[C
 
     async def run(choice: Choice) -> None:
         try:
-            stream = service.generate(choice.prompt, choice.params, f"{job.id}-{choice.index}")
+            stream = service.generate(choice.prompt, choice.params, f"{job.id}-{choice.index}",
+                                      guided_field=job.guided_field)
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     queue.put_nowait((choice, delta))
@@ -172,7 +173,8 @@ def add_routes(app: web.Application) -> None:
         body = await read_json(request)
         check_model(body, service)
         config = request.app[CONFIG]
-        job = chat_job(service, body, config.chat_template, RequestLimits.from_config(config))
+        job = chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
+                       tool_call_parser(config, service))
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     app.router.add_get("/v1/models", list_models)

@@ -1,5 +1,11 @@
 """/v1/chat/completions: checking the messages, rendering the chat template, and presenting the choices.
-`chat_messages` and `chat_prompt` also serve /tokenize."""
+`chat_messages` and `chat_prompt` also serve /tokenize.
+
+With `tools`, the template renders them (transformers' `apply_chat_template(..., tools=...)`); tool_choice
+"auto" reads the answer for tool calls, "required" and a named function constrain it to one call
+(tool_specs.py checks the fields, tool_calls.py reads and constrains the model's format, openai_tool_output.py
+presents the calls). `response_format` and vLLM's guided_* fields constrain the text (guided_request.py).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,24 @@ from kiln.runtime.sampling_params import MAX_TOP_LOGPROBS
 
 from . import openai_request as common
 from .client_json import check_values
+from .config import ServeConfig
 from .engine_service import Delta, EngineService
 from .errors import InvalidRequest
+from .guided_request import openai_guided
 from .limits import RequestLimits
 from .openai_format import chat_logprobs, stop_string
 from .openai_request import Choice, Job
+from .openai_tool_output import ToolOutput, ToolStream
+from .tool_calls import PARSERS, default_parser
+from .tool_specs import ToolChoice, check_tool_choice, check_tools, template_tool_calls
 
-_CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                       "tool_choice"}
+
+
+def tool_call_parser(config: ServeConfig, service: EngineService) -> str:
+    """--tool-call-parser, else the format of the engine's architecture."""
+    return config.tool_call_parser or default_parser(service.llm.engine.info.spec.architecture)
 
 
 def chat_messages(messages) -> list[dict]:
@@ -27,6 +44,10 @@ def chat_messages(messages) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise InvalidRequest(f"messages[{i}] must be an object with a 'role' string and 'content'", "messages")
         content = message.get("content")
+        tool_calls = template_tool_calls(message, i)
+        if tool_calls is not None:  # an assistant turn that called tools may have no content
+            message = {**message, "tool_calls": tool_calls}
+            content = "" if content is None else content
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -40,8 +61,9 @@ def chat_messages(messages) -> list[dict]:
 
 
 def chat_prompt(service: EngineService, chat_template: str | None, messages: list[dict],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Renders the chat template and tokenizes it, adding the BOS token only if the template did not."""
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+    """Renders the chat template (with `tools`, the request's tool objects, when given) and tokenizes it, adding
+    the BOS token only if the template did not."""
     tokenizer = service.tokenizer
     if tokenizer is None:
         raise InvalidRequest("this engine has no tokenizer, so it cannot serve chat; use /v1/completions with "
@@ -51,7 +73,7 @@ def chat_prompt(service: EngineService, chat_template: str | None, messages: lis
                              "`kiln serve --chat-template FILE` (a Jinja template) or use /v1/completions",
                              "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=chat_template,
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools or None,
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as e:  # a template may reject any message (jinja's raise_exception, a missing key, ...)
         raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
@@ -69,13 +91,30 @@ def _max_chat_tokens(service: EngineService, num_prompt_tokens: int) -> int:
     return room
 
 
-def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits) -> Job:
+def _constraint(body: dict, tool_choice: ToolChoice, parser: str):
+    """-> (the output's GuidedDecoding or None, the field it comes from)."""
+    guided, field = openai_guided(body)
+    if not tool_choice.constrained:
+        return guided, field
+    if guided is not None:
+        which = repr(tool_choice.mode) if tool_choice.mode == "required" else f"naming {tool_choice.tools[0].name!r}"
+        raise InvalidRequest(f"{field} cannot be combined with tool_choice {which}, which constrains the answer to "
+                             "a tool call", field)
+    return PARSERS[parser].constraint(tool_choice.tools), "tools"
+
+
+def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits,
+             tool_call_parser: str = "llama3_json") -> Job:
     n, stream, include_usage = common.n_and_stream(body, limits)
     limits.check_sequences(1, n)
     check_values(body)
     common.check_fields(body, _CHAT_FIELDS, n)
+    tools = check_tools(body.get("tools"))
+    tool_choice = check_tool_choice(body.get("tool_choice"), tools)
+    guided, guided_field = _constraint(body, tool_choice, tool_call_parser)
     count_tokens = limits.prompt_tokens(service.llm.engine.tokenize, "messages")
-    token_ids = count_tokens(chat_prompt(service, chat_template, chat_messages(body.get("messages"))))
+    token_ids = count_tokens(chat_prompt(service, chat_template, chat_messages(body.get("messages")),
+                                         tools=[t.spec for t in tools]))
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = common.get_field(body, limit_field, None, int, "an integer >= 1")
     if max_tokens is None:
@@ -87,7 +126,7 @@ def chat_job(service: EngineService, body: dict, chat_template: str | None, limi
     names = {"max_tokens": limit_field, "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
     top_logprobs = common.get_field(body, "top_logprobs", 0, int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     params = common.sampling_params(body, names, max_tokens=max_tokens, logprobs=want_logprobs,
-                                    top_logprobs=top_logprobs)
+                                    top_logprobs=top_logprobs, guided_decoding=guided)
     choices = [Choice(j, token_ids, p, j == 0, keep_stop=keep_stop)
                for j, p in enumerate(common.seeded_choices(params, n, names))]
     tokenizer = service.tokenizer
@@ -99,9 +138,16 @@ def chat_job(service: EngineService, body: dict, chat_template: str | None, limi
     def text_of(choice: Choice, out: RequestOutput, text: str) -> str:
         return text + stop_string(tokenizer, choice.params, eos, out) if choice.keep_stop and out.finished else text
 
+    # tool_choice "none" (or no tools): the answer is plain text, never read for calls
+    tool_output = ToolOutput(PARSERS[tool_call_parser], tool_choice) if tool_choice.tools else None
+    tool_streams: dict[int, ToolStream] = {}
+
     def format_choice(choice: Choice, out: RequestOutput) -> dict:
-        return {"index": choice.index, "message": {"role": "assistant", "content": text_of(choice, out, out.text)},
-                "finish_reason": out.finish_reason,
+        text = text_of(choice, out, out.text)
+        message, finish_reason = {"role": "assistant", "content": text}, out.finish_reason
+        if tool_output is not None:
+            message, finish_reason = tool_output.message(text, finish_reason)
+        return {"index": choice.index, "message": message, "finish_reason": finish_reason,
                 "logprobs": logprobs(out.token_ids, out.logprobs, out.top_logprobs)}
 
     def format_delta(choice: Choice, delta: Delta, first: bool) -> list[dict]:
@@ -110,13 +156,24 @@ def chat_job(service: EngineService, body: dict, chat_template: str | None, limi
             pieces.append({"index": choice.index, "delta": {"role": "assistant", "content": ""},
                            "finish_reason": None, "logprobs": None})
         lps = logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
-        text = text_of(choice, delta.output, delta.text)
-        if text or lps and lps["content"] or delta.finished:
+        text, call_deltas, finish_reason = text_of(choice, delta.output, delta.text), [], delta.finish_reason
+        if tool_output is not None:  # content and calls come from the text so far (held back where a call may be)
+            stream_state = tool_streams.setdefault(choice.index, tool_output.stream())
+            full = text_of(choice, delta.output, delta.output.text)
+            text, call_deltas, finish_reason = stream_state.step(full, delta.finished, delta.finish_reason)
+            if delta.finished:
+                tool_streams.pop(choice.index, None)
+        if text or lps and lps["content"] or (delta.finished and not call_deltas):
             pieces.append({"index": choice.index, "delta": {"content": text} if text else {},
-                           "finish_reason": delta.finish_reason, "logprobs": lps})
+                           "finish_reason": None if call_deltas else finish_reason, "logprobs": lps})
+        for tool_calls in call_deltas:
+            pieces.append({"index": choice.index, "delta": {"tool_calls": tool_calls}, "finish_reason": None,
+                           "logprobs": None})
+        if call_deltas:  # the finish reason comes after the calls, as OpenAI sends it
+            pieces.append({"index": choice.index, "delta": {}, "finish_reason": finish_reason, "logprobs": None})
         return pieces
 
     return Job(common.new_id("chatcmpl"), choices, stream, include_usage, "messages", "chat.completion",
-               "chat.completion.chunk", format_choice, format_delta, service.model_name)
+               "chat.completion.chunk", format_choice, format_delta, service.model_name, guided_field=guided_field)
 
 

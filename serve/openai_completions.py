@@ -1,4 +1,5 @@
 """/v1/completions: checking a request body and presenting its choices, `echo` and `logprobs` included.
+`response_format` and vLLM's guided_* fields constrain the generated text (guided_request.py).
 
 A prompt is a string, a list of strings, token ids or lists of token ids. With `echo` the choice's text starts with
 the prompt, and with `logprobs` too its logprobs object covers the prompt's tokens (none for the first) before the
@@ -13,6 +14,7 @@ from kiln.runtime.outputs import RequestOutput
 from .client_json import check_values, shown
 from .engine_service import Delta, EngineService
 from .errors import InvalidRequest
+from .guided_request import openai_guided
 from .limits import RequestLimits
 from .openai_format import CompletionLogprobs, decode, joined, stop_string
 from .openai_request import (
@@ -86,9 +88,10 @@ def completion_job(service: EngineService, body: dict, limits: RequestLimits) ->
     max_tokens = _completion_max_tokens(body, echo)
     names = {"top_logprobs": "logprobs", "prompt_top_logprobs": "logprobs"}
     echo_logprobs = echo and k is not None  # the prompt's tokens get logprobs too
+    guided, guided_field = openai_guided(body)
     params = sampling_params(body, names, max_tokens=max(max_tokens, 1), logprobs=k is not None,
                              top_logprobs=k or 0, prompt_logprobs=echo_logprobs,
-                             prompt_top_logprobs=k if echo_logprobs else 0)
+                             prompt_top_logprobs=k if echo_logprobs else 0, guided_decoding=guided)
     check_max_tokens(service, params.max_tokens, "max_tokens")
     tokenizer = service.tokenizer
     tokenize = limits.prompt_tokens(service.llm.engine.tokenize, "prompt")
@@ -142,6 +145,6 @@ def completion_job(service: EngineService, body: dict, limits: RequestLimits) ->
                  "logprobs": lps}]
 
     return Job(new_id("cmpl"), choices, stream, include_usage, "prompt", "text_completion", "text_completion",
-               format_choice, format_delta, service.model_name)
+               format_choice, format_delta, service.model_name, guided_field=guided_field)
 
 

@@ -25,14 +25,17 @@ from .errors import InvalidRequest, NotFound
 from .limits import RequestLimits
 from .openai_format import usage as usage_object
 
+# Structured output (guided_request.py), on both endpoints.
+GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                           "structured_outputs"})
 # Fields whose OpenAI (or vLLM) name and meaning are SamplingParams' own.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                    "skip_special_tokens")
 COMMON_FIELDS = frozenset({"model", "n", "stream", "stream_options", "user", "max_tokens",
-                           "include_stop_str_in_output", *SAMPLING_FIELDS})
+                           "include_stop_str_in_output", *SAMPLING_FIELDS, *GUIDED_FIELDS})
 # Unsupported fields are fine when null or empty, or at one of these values that ask for nothing.
-_HARMLESS_VALUES = {"response_format": [{"type": "text"}], "tool_choice": ["none"], "modalities": [["text"]],
+_HARMLESS_VALUES = {"tool_choice": ["none"], "modalities": [["text"]],
                     "service_tier": ["auto", "default"], "parallel_tool_calls": [True, False], "store": [False]}
 
 
@@ -67,6 +70,9 @@ class Job:
     format_delta: Callable[[Choice, Delta, bool], list[dict]]
     model: str
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # the field the output constraint came from (response_format, guided_json, tools, ...): an engine complaint
+    # about the constraint names it
+    guided_field: str | None = None
 
 
 # ---- checking a request ------------------------------------------------------------------------------

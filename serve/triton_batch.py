@@ -11,6 +11,7 @@ from kiln.runtime.engine import Prompt
 
 from .engine_service import EngineService
 from .errors import RequestError
+from .guided_request import TRITON_GUIDE_LABEL
 from .limits import RequestLimits
 from .triton_request import TritonRequest
 
@@ -21,7 +22,8 @@ async def complete(service: EngineService, request: TritonRequest,
     per-token logprobs). `prompt`: the request's prompt as token ids, when already tokenized."""
     prompt = request.prompt if prompt is None else prompt
     # Triton has no finish reason: a request cut off by shutdown must fail, not succeed with partial text.
-    async with contextlib.aclosing(service.generate(prompt, request.params, cut_off_is_error=True)) as stream:
+    stream = service.generate(prompt, request.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL)
+    async with contextlib.aclosing(stream) as stream:
         async for delta in stream:
             output = delta.output
     text = output.text if request.exclude_input else request.prompt + output.text

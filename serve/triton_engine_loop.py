@@ -28,6 +28,8 @@ from kiln.runtime.engine import LLMEngine, Prompt
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
+from .guided_request import TRITON_GUIDE_LABEL, refusal_message
+
 logger = logging.getLogger("kiln.serve")
 
 _STOP = object()
@@ -171,8 +173,12 @@ class EngineLoop:
             if self.no_evict and self._reserved + submission.blocks[row] > total:
                 break  # first come, first served: nobody overtakes the head of the queue
             self._pending.popleft()
-            request_id = self.engine.add_request(submission.token_ids[row], submission.params[row],
-                                                 f"triton-{next(self._ids)}")
+            try:
+                request_id = self.engine.add_request(submission.token_ids[row], submission.params[row],
+                                                     f"triton-{next(self._ids)}")
+            except ValueError as e:  # e.g. a guide xgrammar cannot compile: the whole submission is refused
+                self._reject(submission, row, e)
+                continue
             submission.num_pending -= 1
             submission.running[request_id] = row
             self._owner[request_id] = submission
@@ -188,6 +194,14 @@ class EngineLoop:
             if submission.done:
                 self._live.remove(submission)
         self._guarded(submission, submission.sink.update, row, output)
+
+    def _reject(self, submission: _Submission, row: int, error: ValueError) -> None:
+        """The engine refused a row when it was added: the submission's other rows stop too (freeing their KV
+        blocks) and it gets one error naming the row and, for a guide, the input."""
+        message = refusal_message(error, TRITON_GUIDE_LABEL)
+        self._drop(submission)
+        self._guarded(None, submission.sink.reject,
+                      message if len(submission.params) == 1 else f"batch row {row}: {message}")
 
     def _release(self, request_id: str) -> None:
         submission = self._owner.pop(request_id)

@@ -10,8 +10,10 @@ each request's response sender:
 - otherwise one final response with every row's text: prompt + completion, or only the completion with
   exclude_input_in_output=true.
 With return_log_probs, output_log_probs holds the log-probabilities of the tokens a response adds (all of
-them, or a streamed piece's) and cum_log_probs the sum over every token so far. An invalid request gets one
-error response with the final flag; a request whose client cancelled is aborted, freeing its KV blocks.
+them, or a streamed piece's) and cum_log_probs the sum over every token so far. The inputs
+guided_decoding_guide_type and guided_decoding_guide constrain the output (JSON, a JSON schema, a regex or an
+EBNF grammar). An invalid request (a guide xgrammar cannot compile included) gets one error response with the
+final flag; a request whose client cancelled is aborted, freeing its KV blocks.
 """
 
 from __future__ import annotations

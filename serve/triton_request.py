@@ -16,6 +16,7 @@ import numpy as np
 from kiln.runtime.sampling_params import SamplingParams
 
 from .errors import InvalidRequest
+from .guided_request import GUIDE_INPUT, GUIDE_TYPE_INPUT, triton_guided
 from .triton_schema import DATATYPES, INPUT_SPECS, OUTPUT_SPECS
 
 if TYPE_CHECKING:
@@ -129,6 +130,8 @@ def _parse_row(row: Mapping[str, np.ndarray]) -> TritonRequest:
     )
     if "end_id" in scalars:  # the request's end token replaces the model's EOS
         kwargs.update(stop_token_ids=(scalars["end_id"],), ignore_eos=True)
+    guides = {name: _text(name, row[name][0]) if name in row else None for name in (GUIDE_TYPE_INPUT, GUIDE_INPUT)}
+    kwargs["guided_decoding"] = triton_guided(guides[GUIDE_TYPE_INPUT], guides[GUIDE_INPUT])
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:

@@ -56,6 +56,11 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("return_log_probs", "BOOL", (1,), description="fill output_log_probs and cum_log_probs"),
     TensorSpec("exclude_input_in_output", "BOOL", (1,),
                description="text_output without the prompt (streamed pieces never repeat it)"),
+    TensorSpec("guided_decoding_guide_type", "BYTES", (1,),
+               description="structured output, as TensorRT-LLM names it: json (any JSON object), json_schema, "
+                           "regex or ebnf_grammar"),
+    TensorSpec("guided_decoding_guide", "BYTES", (1,),
+               description="the JSON schema, regex or EBNF grammar (xgrammar's dialect) the output follows"),
 )
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "BYTES", (-1,)),

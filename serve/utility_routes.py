@@ -15,8 +15,9 @@ from .http_common import CONFIG, SERVICE, read_json
 from .limits import RequestLimits
 from .openai_chat import chat_messages, chat_prompt
 from .openai_request import check_model
+from .tool_specs import check_tools
 
-_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"}
 _DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -55,14 +56,16 @@ def tokenize(service: EngineService, body: dict, chat_template: str | None, limi
             raise InvalidRequest("add_special_tokens applies to 'prompt'; with 'messages' the chat template "
                                  "decides", "add_special_tokens")
         messages = chat_messages(body["messages"])
-        token_ids = chat_prompt(service, chat_template, messages, _flag(body, "add_generation_prompt", True))
+        tools = [tool.spec for tool in check_tools(body.get("tools"))]  # rendered as /v1/chat/completions does
+        token_ids = chat_prompt(service, chat_template, messages, _flag(body, "add_generation_prompt", True), tools)
         field = "messages"
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise InvalidRequest(f"prompt={shown(prompt)} is invalid: must be a string", "prompt")
-        if body.get("add_generation_prompt") is not None:
-            raise InvalidRequest("add_generation_prompt applies to 'messages'", "add_generation_prompt")
+        for name in ("add_generation_prompt", "tools"):
+            if body.get(name) is not None:
+                raise InvalidRequest(f"{name} applies to 'messages'", name)
         token_ids = list(_tokenizer(service, "prompt").encode(prompt, add_special_tokens=_flag(
             body, "add_special_tokens", True)))
         field = "prompt"

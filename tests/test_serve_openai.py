@@ -240,8 +240,9 @@ def test_completion_errors(client, server, kwargs, param):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_chat_errors(client, kwargs, param):
     kwargs = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **kwargs}

@@ -3,6 +3,8 @@ the way Triton's Python backend runs it, against a stand-in of `triton_python_ba
 (tests/triton_stub: no Triton server can run in CI)."""
 
 import importlib.util
+import json
+import re
 import sys
 import threading
 import time
@@ -249,6 +251,28 @@ def test_invalid_requests_get_an_error_with_the_final_flag_and_others_complete(m
     assert "stream=true takes one prompt per request" in error_of(streamed_rows)
     assert good.sender.wait_final(60)
     assert texts(good.sender.responses[0]) == [PROMPTS[3] + references[PROMPTS[3]].text]
+
+
+def test_guided_decoding_inputs_constrain_the_output_and_a_bad_guide_is_refused(model):
+    regex = "[0-9]{3}-[a-z]{2,4}"
+    guided = make_request(["id = ", "key = "], exclude_input_in_output=True, guided_decoding_guide_type=b"regex",
+                          guided_decoding_guide=regex.encode())
+    schema = make_request("data = ", exclude_input_in_output=True, guided_decoding_guide_type=b"json")
+    # xgrammar refuses the regex when the engine thread adds the request: the whole batch gets one error
+    bad = make_request(["x = ", "y = "], guided_decoding_guide_type=b"regex", guided_decoding_guide=b"([a-z]")
+    no_type = make_request("x = ", guided_decoding_guide=b"a+")
+    execute(model, guided, schema, bad, no_type)
+    assert error_of(bad).startswith("batch row 0: input 'guided_decoding_guide': guided_decoding.regex: invalid "
+                                    "regex: Regex parsing error")
+    assert error_of(no_type) == ("input 'guided_decoding_guide' needs input 'guided_decoding_guide_type' (one of "
+                                 "json, json_schema, regex, ebnf_grammar) to say what it is")
+    for request in (guided, schema):
+        assert request.sender.wait_final(60)
+    assert all(re.fullmatch(regex, text) for text in texts(guided.sender.responses[0]))
+    assert isinstance(json.loads(texts(schema.sender.responses[0])[0]), dict)
+    wait_for(lambda: model.loop.engine.kv_cache_stats()["num_running"] == 0)
+    stats = model.loop.engine.kv_cache_stats()
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["num_waiting"] == 0
 
 
 def test_a_cancelled_request_is_aborted_and_its_kv_blocks_freed(model):

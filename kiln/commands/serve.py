@@ -62,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "are served, with CORS headers ('*': any); others get 403 (default: none)")
     p.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
+    p.add_argument("--tool-call-parser", default=None, choices=("llama3_json", "hermes"),
+                   help="the tool-call format /v1/chat/completions reads from the model's answer and constrains it "
+                        "to with tool_choice required or a named function: llama3_json ({\"name\": ..., "
+                        "\"parameters\": {...}}) or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}"
+                        "</tool_call>) (default: by architecture: Llama/Mistral llama3_json, Qwen2/Qwen3 hermes)")
     add_runtime_args(p)
     p.set_defaults(run=run, field_flags=field_flags(p, {"shutdown_timeout_s": "shutdown_timeout",
                                                          "keep_alive_timeout_s": "keep_alive_timeout",
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                          max_sequences_per_request=args.max_sequences_per_request,
                          max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
                          shutdown_timeout_s=args.shutdown_timeout, chat_template=template,
+                         tool_call_parser=args.tool_call_parser,
                          max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
                          keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),

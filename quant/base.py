@@ -12,14 +12,11 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from kiln.model_defs.layers.linear import LinearMethod
-
-if TYPE_CHECKING:
-    pass
 
 
 class QuantError(ValueError):

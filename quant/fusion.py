@@ -1,10 +1,11 @@
 """One input scale for a fused layer whose parts were calibrated apart.
 
 q, k and v (gate and up) read the same input, so the fused layer can apply one `pre_quant_scale` and one
-input scale. ModelOpt's SmoothQuant already gives the parts one smoothing scale; AWQ searches each part's
-own. Where they differ we do what ModelOpt's own exporter does: use their mean, fold each part's ratio
-into its weight columns (exact in float), and leave the weight's amax to be measured again from the
-rescaled weight (the parts then say `weight_amax=None`).
+input scale (int8_sq). ModelOpt's SmoothQuant already gives the parts one smoothing scale; should they
+differ, we do what ModelOpt's own exporter does: use their mean, fold each part's ratio into its weight
+columns (exact in float), and leave the weight's amax to be measured again from the rescaled weight (the
+parts then say `weight_amax=None`). AWQ, whose search gives each part its own scale, keeps them per part
+instead (weight_only.py): the mean measured +5.9% perplexity on kiln-tiny-code against +3.6%.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """kiln's model for Triton's Python backend; `kiln triton-repo` copies this file to REPO/NAME/1/model.py.
 
-Triton runs it in the Python backend's own process, where `triton_python_backend_utils` exists (kiln's tests
-use a stand-in, tests/triton_stub) and kiln must be installed. The model is decoupled: `execute` parses each
+Triton runs it in the Python backend's stub process, where `triton_python_backend_utils` exists (kiln's tests
+use a stand-in, tests/triton_stub, and a real Triton in tests/test_triton_server.py). Before importing numpy
+and kiln it puts the directories recorded in kiln_env.json first on sys.path (see kiln.serve.triton_repo);
+`initialize` refuses numpy 2 (stubs built for numpy 1 crash on BYTES inputs; the parameter allow_numpy2=true
+overrides), a kiln other than the repository's writer, and an engine this kiln cannot read. The model is
+decoupled: `execute` parses each
 request (the tensors of kiln.serve.triton_schema, named as in TensorRT-LLM's Triton ensemble), hands its
 rows to the engine thread (kiln.serve.triton_engine_loop) and returns None; the responses follow through
 each request's response sender:
@@ -19,19 +23,81 @@ final flag; a request whose client cancelled is aborted, freeing its KV blocks.
 from __future__ import annotations
 
 import json
+import os
+import site
+import sys
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
 
-from kiln.engine_format import load_engine_spec
-from kiln.runtime.outputs import RequestOutput
-from kiln.serve.errors import InvalidRequest
-from kiln.serve.triton_engine_loop import EngineLoop
-from kiln.serve.triton_repo import BackendParameters
-from kiln.serve.triton_request import TritonRequest, check_requested_outputs, make_outputs, parse_request
-from kiln.serve.triton_schema import INPUTS, OUTPUT_SPECS
+def _recorded_environment() -> dict:
+    """kiln_env.json beside this file (written by `kiln triton-repo`); its python_path goes to the front of
+    sys.path (site directories with their .pth files), so the stub's interpreter finds numpy and kiln where
+    the repository's writer said."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kiln_env.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        env = json.load(f)
+    before = list(sys.path)
+    for entry in env.get("python_path", []):
+        if entry not in before and os.path.isdir(entry):
+            site.addsitedir(entry)
+    added = [entry for entry in sys.path if entry not in before]
+    sys.path[:] = added + before
+    return env
+
+
+RECORDED = _recorded_environment()
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+try:
+    import kiln
+    from kiln.engine_format import EngineError, load_engine_spec
+    from kiln.runtime.outputs import RequestOutput
+    from kiln.serve.errors import InvalidRequest
+    from kiln.serve.triton_engine_loop import EngineLoop
+    from kiln.serve.triton_repo import BackendParameters
+    from kiln.serve.triton_request import TritonRequest, check_requested_outputs, make_outputs, parse_request
+    from kiln.serve.triton_schema import INPUTS, OUTPUT_SPECS
+except ImportError as e:
+    raise ImportError(
+        f"kiln's Triton model cannot import kiln ({e}) with the Python at {sys.executable or sys.prefix}: "
+        f"install kiln in the Python backend's environment, or write the repository with `kiln triton-repo` "
+        f"from a Python where kiln is installed (it records that Python's site directories in kiln_env.json); "
+        f"sys.path is {sys.path}") from e
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+NUMPY2_HINT = ('Triton\'s Python backend stub (e.g. the one bundled with nvidia-pytriton 0.7.0, Triton 2.51) '
+               'crashes on BYTES inputs with numpy 2: run `pip install "numpy<2"` in the environment of the '
+               'stub\'s Python, or `pip install --target DIR "numpy<2"` and write the repository with '
+               '`kiln triton-repo --python-path DIR`; if your stub is built for numpy 2, set the parameter '
+               'allow_numpy2 to "true" in config.pbtxt')
+
+
+def check_environment(config: dict, engine_dir: str) -> None:
+    """Fails initialize with a message for what is known to break: numpy 2 under a stub built for numpy 1,
+    a kiln other than the one that wrote the repository, an engine this kiln cannot read."""
+    parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+    major = int(np.__version__.split(".")[0])
+    if major >= 2 and parameters.get("allow_numpy2", "").strip().lower() != "true":
+        raise pb_utils.TritonModelException(f"numpy {np.__version__} (from {os.path.dirname(np.__file__)}) is "
+                                            f"imported: {NUMPY2_HINT}")
+    kiln_where = os.path.dirname(os.path.abspath(kiln.__file__))
+    wrote = RECORDED.get("kiln_version")
+    if wrote is not None and wrote != kiln.__version__:
+        raise pb_utils.TritonModelException(
+            f"this model.py was written by kiln {wrote}, but the Python backend imports kiln {kiln.__version__} "
+            f"from {kiln_where}: write the repository again with that kiln (`kiln triton-repo --force`) or make "
+            f"kiln {wrote} importable")
+    try:
+        spec = load_engine_spec(engine_dir, verify_checksums=False)
+    except EngineError as e:
+        raise pb_utils.TritonModelException(f"kiln {kiln.__version__} (from {kiln_where}) cannot load the engine: "
+                                            f"{e}") from e
+    if spec.kiln_version != kiln.__version__:
+        print(f"kiln's Triton model: the engine {engine_dir} was built by kiln {spec.kiln_version}; serving it "
+              f"with kiln {kiln.__version__}", file=sys.stderr)
 
 
 class TritonPythonModel:
@@ -43,6 +109,7 @@ class TritonPythonModel:
                 "kiln's model streams responses: config.pbtxt needs model_transaction_policy { decoupled: true }")
         params = BackendParameters.from_strings(
             {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()})
+        check_environment(config, params.engine_dir)
         engine = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
         self.loop = EngineLoop(engine, params.batch_scheduler_policy)
 

@@ -2,18 +2,24 @@
 
     REPO/NAME/config.pbtxt   python backend, decoupled, the tensors of triton_schema, one instance on the
                              engine's device kind, and the BackendParameters below
-    REPO/NAME/1/model.py     a copy of kiln/serve/triton_python_model.py; it imports kiln, so kiln must be
-                             installed in the Python backend's environment
+    REPO/NAME/1/model.py     a copy of kiln/serve/triton_python_model.py; it imports kiln
+    REPO/NAME/1/kiln_env.json  where model.py finds kiln: `python_path`, directories it adds to the front of
+                             the backend interpreter's sys.path before importing numpy and kiln (the
+                             --python-path directories, then the site directories of the Python that wrote
+                             the repository, .pth files included), and `kiln_version`, the kiln that wrote it
 
 `tritonserver --model-repository REPO` then serves the engine under NAME.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
-from collections.abc import Mapping
+import site
+import sysconfig
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +28,7 @@ from kiln.engine_format import load_engine_spec
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
 MODEL_SOURCE = Path(__file__).with_name("triton_python_model.py")
+ENV_FILE = "kiln_env.json"  # beside model.py
 # Triton takes the model's directory name as its name; keep it to characters every URL and file system takes.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BOOLS = {"true": True, "false": False}
@@ -95,15 +102,40 @@ class TritonModel:
     model_file: Path
     max_batch_size: int
     instance_kind: str  # KIND_CPU | KIND_GPU
+    python_path: tuple[str, ...] = ()  # what kiln_env.json records
+
+
+def site_directories() -> list[str]:
+    """The site directories of this Python (a virtual environment's included): where kiln and its
+    dependencies are installed, an editable install's .pth finder included."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if user:
+        dirs.append(user)
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i] and Path(d).is_dir()]
 
 
 def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: str | None = None,
                      max_batch_size: int | None = None, batch_scheduler_policy: str = "max_utilization",
                      kv_cache_free_gpu_mem_fraction: float = 0.9, enable_kv_cache_reuse: bool = True,
-                     force: bool = False) -> TritonModel:
+                     force: bool = False, python_path: Sequence[str | Path] = (),
+                     record_site: bool = True) -> TritonModel:
     """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
     replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
-    for a directory that is not a kiln engine and ValueError for anything else it refuses."""
+    for a directory that is not a kiln engine and ValueError for anything else it refuses.
+
+    `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
+    this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path."""
+    import kiln
+
+    extra = []
+    for entry in python_path:
+        path = Path(entry).resolve()
+        if not path.is_dir():
+            raise ValueError(f"--python-path {entry} is not a directory")
+        extra.append(str(path))
+    paths = extra + (site_directories() if record_site else [])
+    paths = tuple(p for i, p in enumerate(paths) if p not in paths[:i])
     spec = load_engine_spec(engine_dir, verify_checksums=False)  # only its settings are read here
     engine_dir = spec.engine_dir.resolve()
     name = check_model_name(model_name if model_name is not None else engine_dir.name)
@@ -136,7 +168,9 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
         (staging / "config.pbtxt").write_text(_config_text(name, max_batch_size, kind, params, engine_dir))
         (staging / "1").mkdir()
         shutil.copyfile(MODEL_SOURCE, staging / "1" / "model.py")
-    return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind)
+        (staging / "1" / ENV_FILE).write_text(json.dumps(
+            {"python_path": list(paths), "kiln_version": kiln.__version__}, indent=2) + "\n")
+    return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind, paths)
 
 
 def _config_text(name: str, max_batch_size: int, kind: str, params: BackendParameters, engine_dir: Path) -> str:

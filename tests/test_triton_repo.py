@@ -15,12 +15,13 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+import kiln
 from kiln.cli import main
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.engine_factory import engine_from_loaded
 from kiln.runtime.engine_loader import load_engine
 from kiln.serve.triton_engine_loop import EngineLoop
-from kiln.serve.triton_repo import MODEL_SOURCE
+from kiln.serve.triton_repo import MODEL_SOURCE, site_directories
 from kiln.serve.triton_schema import DATATYPES, INPUT_SPECS, INPUTS, OUTPUT_SPECS, OUTPUTS
 
 sys.path.insert(0, str(Path(__file__).parent / "triton_stub"))
@@ -50,14 +51,23 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
     return text_format.Parse((model_dir / "config.pbtxt").read_text(), mc.ModelConfig())
 
 
-def load_model(model_dir: Path, parse_config=read_config):
-    """Imports model_dir/1/model.py and initializes it with the args Triton's Python backend passes."""
+def import_model(model_dir: Path):
+    """Imports model_dir/1/model.py as the Python backend does (a fresh module each time)."""
     spec = importlib.util.spec_from_file_location(f"kiln_triton_model_{time.monotonic_ns()}",
                                                   model_dir / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_model(model_dir: Path, parse_config=read_config, allow_numpy2=True, module=None):
+    """Imports model_dir/1/model.py and initializes it with the args Triton's Python backend passes.
+    `allow_numpy2`: the stand-in takes numpy 2 (Triton's stubs for numpy 1 do not: see the checks below)."""
+    module = module or import_model(model_dir)
     model = module.TritonPythonModel()
     config = parse_config(model_dir)
+    if allow_numpy2:
+        config.parameters["allow_numpy2"].string_value = "true"
     model.initialize({
         "model_config": json_format.MessageToJson(config, preserving_proto_field_name=True),
         "model_instance_kind": "CPU", "model_instance_name": f"{config.name}_0_0", "model_instance_device_id": "0",
@@ -137,8 +147,10 @@ def test_config_pbtxt_is_a_decoupled_python_model_with_the_schema_tensors(repo, 
         "kv_cache_free_gpu_mem_fraction": "0.9", "enable_kv_cache_reuse": "true"}
     assert (model_dir / "1" / "model.py").read_text() == MODEL_SOURCE.read_text()
     assert sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*")) == [
-        tiny_code_engine.name, f"{tiny_code_engine.name}/1", f"{tiny_code_engine.name}/1/model.py",
-        f"{tiny_code_engine.name}/config.pbtxt"]
+        tiny_code_engine.name, f"{tiny_code_engine.name}/1", f"{tiny_code_engine.name}/1/kiln_env.json",
+        f"{tiny_code_engine.name}/1/model.py", f"{tiny_code_engine.name}/config.pbtxt"]
+    assert json.loads((model_dir / "1" / "kiln_env.json").read_text()) == {
+        "python_path": site_directories(), "kiln_version": kiln.__version__}
 
 
 def test_cli_options_reach_the_config(tiny_code_engine, tmp_path, capsys):
@@ -308,6 +320,73 @@ def test_a_model_that_is_not_decoupled_fails_to_load(repo, tiny_code_engine):
 
     with pytest.raises(pb.TritonModelException, match="decoupled: true"):
         load_model(repo / tiny_code_engine.name, coupled)
+
+
+# ---- where model.py finds kiln, and what is known to break ---------------------------------------
+
+def test_python_path_is_recorded_and_put_first_on_sys_path(tiny_code_engine, tmp_path, capsys, monkeypatch):
+    extra = tmp_path / "numpy1"
+    extra.mkdir()
+    (extra / "kiln_marker_module.py").write_text("WHERE = 'numpy1'\n")
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path / "r"),
+                 "--model-name", "m", "--python-path", str(extra)]) == 0
+    assert f"model.py adds to the Python backend's sys.path: {extra}, " in capsys.readouterr().out
+    recorded = json.loads((tmp_path / "r" / "m" / "1" / "kiln_env.json").read_text())
+    assert recorded["python_path"] == [str(extra), *site_directories()]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in recorded["python_path"]])
+    module = import_model(tmp_path / "r" / "m")  # site.addsitedir: the recorded directories come first
+    assert sys.path[:len(recorded["python_path"])] == recorded["python_path"]
+    assert module.RECORDED == recorded and importlib.import_module("kiln_marker_module").WHERE == "numpy1"
+    sys.modules.pop("kiln_marker_module")
+
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path / "r"),
+                 "--model-name", "bare", "--no-site-path"]) == 0
+    assert json.loads((tmp_path / "r" / "bare" / "1" / "kiln_env.json").read_text())["python_path"] == []
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path / "r"),
+                 "--model-name", "x", "--python-path", str(tmp_path / "missing")]) == 2
+    assert "--python-path" in capsys.readouterr().err and not (tmp_path / "r" / "x").exists()
+
+
+class _Numpy:
+    def __init__(self, version: str) -> None:
+        self.__version__ = version
+        self.__file__ = "/somewhere/numpy/__init__.py"
+
+
+def test_numpy_2_in_the_stub_fails_initialize_with_the_fix(repo, tiny_code_engine):
+    model_dir = repo / tiny_code_engine.name
+    module = import_model(model_dir)
+    module.np = _Numpy("2.4.6")
+    with pytest.raises(pb.TritonModelException, match=r'numpy 2.4.6 .*pip install "numpy<2"'):
+        load_model(model_dir, allow_numpy2=False, module=module)
+    module.np = _Numpy("1.26.4")
+    model = load_model(model_dir, allow_numpy2=False, module=module)  # numpy 1 passes the check
+    model.finalize()
+    module.np = _Numpy("2.4.6")
+    model = load_model(model_dir, allow_numpy2=True, module=module)  # the parameter allow_numpy2 overrides it
+    model.finalize()
+
+
+def test_a_kiln_other_than_the_repositorys_writer_fails_initialize(tiny_code_engine, tmp_path):
+    assert main(["triton-repo", "--engine", str(tiny_code_engine), "--output", str(tmp_path), "--model-name", "m"]) == 0
+    env_file = tmp_path / "m" / "1" / "kiln_env.json"
+    env_file.write_text(json.dumps({**json.loads(env_file.read_text()), "kiln_version": "0.0.1"}))
+    with pytest.raises(pb.TritonModelException, match=rf"written by kiln 0.0.1, but the Python backend imports kiln "
+                                                      rf"{re.escape(kiln.__version__)} from "):
+        load_model(tmp_path / "m")
+
+
+def test_an_engine_this_kiln_cannot_read_fails_initialize_naming_the_kiln(tiny_code_engine, tmp_path):
+    import shutil
+
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_code_engine, engine)
+    assert main(["triton-repo", "--engine", str(engine), "--output", str(tmp_path / "r"), "--model-name", "m"]) == 0
+    document = json.loads((engine / "engine.json").read_text())
+    (engine / "engine.json").write_text(json.dumps({**document, "format_version": 999, "kiln_version": "9.0"}))
+    with pytest.raises(pb.TritonModelException, match=rf"kiln {re.escape(kiln.__version__)} \(from .*\) cannot "
+                                                      rf"load the engine: .*written by kiln 9.0"):
+        load_model(tmp_path / "r" / "m")
 
 
 # ---- batch scheduler policies (the engine thread alone, with a KV cache too small for two requests) ----

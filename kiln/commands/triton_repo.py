@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write REPO/NAME/config.pbtxt and REPO/NAME/1/model.py: a decoupled Triton Python-backend "
                     "model that serves the engine with kiln's in-flight batching, with the tensors of "
                     "TensorRT-LLM's Triton ensemble (text_input, max_tokens, stream, ... -> text_output). "
-                    "Serve it with `tritonserver --model-repository REPO`; kiln must be installed in the "
-                    "Python backend's environment.")
+                    "Serve it with `tritonserver --model-repository REPO`. REPO/NAME/1/kiln_env.json records "
+                    "where model.py finds kiln: this Python's site directories (unless --no-site-path) after "
+                    "the --python-path directories.")
     p.add_argument("--engine", required=True, help="engine directory made by `kiln build`")
     p.add_argument("--output", required=True, metavar="REPO", help="model repository directory (created if needed)")
     p.add_argument("--model-name", default=None, metavar="NAME",
@@ -38,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max_utilization: admit every request at once, preempting the newest when KV blocks "
                         "run short; guaranteed_no_evict: admit a request only when its prompt + max_tokens fits "
                         "beside the running ones (default max_utilization)")
+    p.add_argument("--python-path", action="append", default=[], metavar="DIR",
+                   help="a directory model.py puts first on the Python backend's sys.path (repeatable), e.g. one "
+                        "made by `pip install --target DIR \"numpy<2\"` for a backend stub built for numpy 1")
+    p.add_argument("--no-site-path", dest="record_site", action="store_false",
+                   help="do not record this Python's site directories (kiln is installed in the backend's own "
+                        "environment, e.g. inside Triton's container)")
     p.add_argument("--force", action="store_true", help="replace an existing REPO/NAME")
     p.set_defaults(run=run)
 
@@ -49,11 +56,14 @@ def run(args: argparse.Namespace) -> int:
         args.engine, args.output, model_name=args.model_name, max_batch_size=args.max_batch_size,
         batch_scheduler_policy=args.batch_scheduler_policy,
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
-        enable_kv_cache_reuse=args.enable_kv_cache_reuse, force=args.force)
+        enable_kv_cache_reuse=args.enable_kv_cache_reuse, force=args.force, python_path=args.python_path,
+        record_site=args.record_site)
     repo = model.model_dir.parent
     print(f"wrote {model.config_file} (python backend, decoupled, max_batch_size {model.max_batch_size}, "
           f"{model.instance_kind})")
     print(f"wrote {model.model_file}")
-    print(f"serve it with: tritonserver --model-repository {repo}  (kiln must be installed in the Python "
-          f"backend's environment)")
+    if model.python_path:
+        print(f"model.py adds to the Python backend's sys.path: {', '.join(model.python_path)}")
+    print(f"serve it with: tritonserver --model-repository {repo}  (the Python backend's interpreter needs "
+          f"numpy<2 with Triton's stubs built for numpy 1)")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -62,3 +63,18 @@ def make_engine(tmp: Path, architecture: str = "LlamaForCausalLM", **build_optio
     checkpoint, model = make_checkpoint(tmp / "ckpt", architecture)
     engine = build_engine(checkpoint, tmp / "engine", BuildConfig(**build_options), progress=False)
     return checkpoint, engine, model
+
+
+def hf_perplexity(model, token_ids: list[int], window_len: int) -> tuple[float, int]:
+    """transformers' perplexity over the same consecutive windows as kiln's perplexity (each window alone,
+    its first token unscored): (perplexity, scored tokens)."""
+    from kiln.runtime.perplexity import split_windows
+
+    nll, count = 0.0, 0
+    for window in split_windows(token_ids, window_len):
+        ids = torch.tensor([window])
+        with torch.no_grad():
+            logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        nll -= logprobs.gather(-1, ids[0, 1:, None]).sum().item()
+        count += len(window) - 1
+    return math.exp(nll / count), count

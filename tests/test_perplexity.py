@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from model_factory import hf_perplexity
 
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
@@ -19,18 +19,6 @@ from kiln.runtime.perplexity import perplexity, split_windows
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL = EXAMPLES / "kiln-tiny-code"
 HELDOUT = EXAMPLES / "heldout-sample.txt"  # json/decoder.py: its package was held out of training
-
-
-def hf_perplexity(model, token_ids: list[int], window_len: int) -> tuple[float, int]:
-    """transformers' perplexity over the same consecutive windows, each window's first token unscored."""
-    nll, count = 0.0, 0
-    for window in split_windows(token_ids, window_len):
-        ids = torch.tensor([window])
-        with torch.no_grad():
-            logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-        nll -= logprobs.gather(-1, ids[0, 1:, None]).sum().item()
-        count += len(window) - 1
-    return math.exp(nll / count), count
 
 
 @pytest.fixture(scope="module")

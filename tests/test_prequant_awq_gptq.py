@@ -15,14 +15,13 @@ The layouts written here (see quant/prequant/awq.py and gptq.py for the sources)
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
-from model_factory import hf_greedy, make_checkpoint
+from model_factory import hf_greedy, hf_perplexity, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kiln.builder.build import BuildError, build_engine
@@ -32,7 +31,7 @@ from kiln.plugins.quant_linear import dequantize_weight
 from kiln.quant.base import QuantError
 from kiln.quant.prequant.gptq import GptqCheckpoint
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.perplexity import perplexity, split_windows
+from kiln.runtime.perplexity import perplexity
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY_CODE = EXAMPLES / "kiln-tiny-code"
@@ -306,18 +305,6 @@ def test_gptq_v1_zero_points_of_every_value_including_zero(bits):
 # --- the bundled model as an AWQ checkpoint ------------------------------------------------------------------
 
 
-def hf_perplexity(model, token_ids: list[int], window_len: int) -> float:
-    """transformers' perplexity over the same consecutive windows as kiln's, each window's first token unscored."""
-    nll, count = 0.0, 0
-    for window in split_windows(token_ids, window_len):
-        ids = torch.tensor([window])
-        with torch.no_grad():
-            logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-        nll -= logprobs.gather(-1, ids[0, 1:, None]).sum().item()
-        count += len(window) - 1
-    return math.exp(nll / count)
-
-
 def test_kiln_tiny_code_as_awq_matches_transformers_perplexity(tmp_path):
     checkpoint = tmp_path / "awq"
     checkpoint.mkdir()
@@ -332,7 +319,7 @@ def test_kiln_tiny_code_as_awq_matches_transformers_perplexity(tmp_path):
     result = perplexity(LLM(engine), HELDOUT.read_text())
     use_weights(model, weights)
     token_ids = transformers.AutoTokenizer.from_pretrained(TINY_CODE).encode(HELDOUT.read_text())
-    expected = hf_perplexity(model, token_ids, result.window_len)
+    expected, _ = hf_perplexity(model, token_ids, result.window_len)
     assert abs(result.perplexity / expected - 1) < 0.01
     assert abs(result.perplexity / expected - 1) < 1e-4  # float32 on both sides: really the same numbers
     # Still the model that learned Python (about 9 unquantized; random weights would give about 8192).

@@ -16,19 +16,19 @@ listing every QuantizationArgs default and in the version.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from model_factory import hf_perplexity
 from safetensors import safe_open
 
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM
-from kiln.runtime.perplexity import perplexity, split_windows
+from kiln.runtime.perplexity import perplexity
 
 compressed_tensors = pytest.importorskip("compressed_tensors")
 from compressed_tensors import ModelCompressor  # noqa: E402
@@ -73,18 +73,6 @@ def _save_compressed(preset: str, out: Path) -> Path:
     return out
 
 
-def _hf_perplexity(model, token_ids: list[int], window: int) -> float:
-    """Perplexity over the windows kiln scored: each window alone, its first token unscored."""
-    nll, count = 0.0, 0
-    for w in split_windows(token_ids, window):
-        ids = torch.tensor([w])
-        with torch.no_grad():
-            logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-        nll -= logprobs.gather(-1, ids[0, 1:, None]).sum().item()
-        count += len(w) - 1
-    return math.exp(nll / count)
-
-
 # preset -> (compression format, the tensor that holds layer 0's down_proj codes and its dtype, what engine.json
 # records, the relative perplexity difference allowed). Weight-only int4 is the same float32 arithmetic on both
 # sides: the two agree to six digits. FP8 per-token activations are not: their 3-bit mantissa turns a
@@ -126,6 +114,6 @@ def test_bundled_model_perplexity_equals_transformers_loading(tmp_path, preset):
     # Every tensor of the checkpoint loaded, none re-initialized (as packed asymmetric zero points would be:
     # see test_prequant_compressed_tensors.py; both schemes here are symmetric and store none).
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
-    reference = _hf_perplexity(model.eval(), ids, kiln.window_len)
+    reference, _ = hf_perplexity(model.eval(), ids, kiln.window_len)
     print(f"{preset}: kiln {kiln.perplexity:.4f}, transformers {reference:.4f}")
     assert abs(kiln.perplexity / reference - 1) < tolerance, (kiln.perplexity, reference)

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from model_factory import make_checkpoint
+from model_factory import hf_perplexity, make_checkpoint
 from safetensors.torch import load_file
 
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.perplexity import perplexity, split_windows
+from kiln.runtime.perplexity import perplexity
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")
@@ -194,17 +193,6 @@ def test_an_unknown_modelopt_algorithm_is_named(tiny, tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-def _hf_perplexity(model, token_ids: list[int], window: int) -> float:
-    nll, count = 0.0, 0
-    for w in split_windows(token_ids, window):
-        ids = torch.tensor([w])
-        with torch.no_grad():
-            logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-        nll -= logprobs.gather(-1, ids[0, 1:, None]).sum().item()
-        count += len(w) - 1
-    return math.exp(nll / count)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, kv", [("FP8_DEFAULT_CFG", True), ("INT4_AWQ_CFG", False)])
 def test_bundled_model_perplexity_equals_modelopts_own(tmp_path, name, kv):
@@ -224,6 +212,6 @@ def test_bundled_model_perplexity_equals_modelopts_own(tmp_path, name, kv):
         (checkpoint / f).write_bytes((source / f).read_bytes())
     engine = build_engine(checkpoint, tmp_path / "engine", BuildConfig(dtype="float32"), progress=False)
     kiln = perplexity(LLM(engine, max_num_tokens=256), text)
-    producer = _hf_perplexity(fake, ids, kiln.window_len)
+    producer, _ = hf_perplexity(fake, ids, kiln.window_len)
     print(f"{name}: kiln {kiln.perplexity:.4f}, ModelOpt fake-quantized {producer:.4f}")
     assert abs(kiln.perplexity / producer - 1) < 0.01, (kiln.perplexity, producer)

@@ -1,9 +1,11 @@
 """`kiln build`: checkpoint -> engine directory.
 
 load config -> network on meta (names, shapes, dtypes) -> weight recipes (map names, fuse qkv and gate_up)
--> cast -> write rank0.safetensors (streamed, one tensor in memory at a time) -> copy tokenizer ->
-engine.json with the manifest. The engine is built in a temporary directory next to the output and moved
-into place at the end, so a failed build never leaves something that looks like an engine.
+-> cast -> (quantize) -> cut each whole tensor into every rank's share (sharding.py) -> write
+rank0..rank{N-1}.safetensors (streamed in one pass: one whole tensor and one cut of it in memory at a time)
+-> copy tokenizer -> engine.json with the manifest. The engine is built in a temporary directory next to
+the output and moved into place at the end, so a failed build never leaves something that looks like an
+engine.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from .quantize import (
     run_calibration,
 )
 from .quantize import producer as quant_producer
-from .safetensors_writer import TensorSpec, write_safetensors_streaming
+from .safetensors_writer import TensorSpec, specs_of, write_safetensors_split
+from .sharding import ShardingError, plan_sharding
 from .staging import staged_directory
 
 logger = logging.getLogger("kiln.builder")
@@ -160,7 +163,7 @@ def param_specs(model_def: ModelDef, config: ModelConfig, dtype: torch.dtype, qu
     the meta device: `dtype` for unquantized tensors, whatever the linear methods declare for the rest."""
     with torch.device("meta"):
         model = build_network(model_def, config, quant, mapping, dtype=dtype)
-    return [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()]
+    return specs_of(model.state_dict())
 
 
 def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: ModelConfig,
@@ -234,11 +237,12 @@ def _check_output(output: Path) -> None:
 
 def _producer(config: BuildConfig, reader: CheckpointReader | None, model_def: ModelDef, model_config: ModelConfig,
               float_specs: list[TensorSpec], plan: QuantPlan | None) -> tuple[Callable[[TensorSpec], torch.Tensor], str]:
-    """The writer's producer and progress label (`reader` is None for dummy weights)."""
+    """The writer's producer of whole (tp_size 1) tensors and the progress label's kind of weights (`reader`
+    is None for dummy weights)."""
     by_name = {s.name: s for s in float_specs}
     if reader is None:
         float_produce = lambda spec: dummy_tensor(spec, config.seed, config.device)  # noqa: E731
-        desc, read = "writing rank0 (dummy)", None
+        kind, read = " (dummy)", None
     else:
         calibrated = None if plan is None or plan.result is None else plan.result.state
         read = reader.get if calibrated is None else (
@@ -250,14 +254,14 @@ def _producer(config: BuildConfig, reader: CheckpointReader | None, model_def: M
             checked = [s for s in float_specs if s.name not in replaced]
             read_checkpoint_kv_cache(plan, reader.get, set(reader.names()), model_config.num_layers)
         float_produce = checkpoint_producer(reader, model_def, model_config, checked, read, also_used)
-        desc = "writing rank0" if plan is None else f"writing rank0 ({quant_spec(plan).qformat})"
+        kind = "" if plan is None else f" ({quant_spec(plan).qformat})"
     if plan is None:
         produce = float_produce
     else:
         quantized = quant_producer(plan, model_def, model_config, lambda name: float_produce(by_name[name]), read,
                                    set() if reader is None else set(reader.names()))
         produce = lambda spec: quantized(spec.name, spec.dtype, spec.shape)  # noqa: E731
-    return produce, desc
+    return produce, kind
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: BuildConfig | None = None,
@@ -295,29 +299,40 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
             raise BuildError(str(e)) from None
         float_specs = param_specs(model_def, model_config, torch_dtype)
         specs = float_specs if plan is None else param_specs(model_def, model_config, torch_dtype, plan.quant)
+        mapping = Mapping(tp_size=config.tp_size)
+        try:  # every rank's network, before anything is written: heads or groups that do not split fail here
+            sharder = plan_sharding(model_def, model_config, None if plan is None else plan.quant, mapping, specs,
+                                    dtype=torch_dtype)
+        except ShardingError as e:
+            raise BuildError(str(e)) from None
 
         _check_output(output)
         staging = stack.enter_context(staged_directory(output, check_replace=_check_output))
         try:
             if plan is not None:
                 run_calibration(plan, checkpoint, model_config)
-            produce, desc = _producer(config, reader, model_def, model_config, float_specs, plan)
-            written = write_safetensors_streaming(staging / rank_file_name(0), specs, produce,
-                                                  metadata={"format": "pt", "kiln_rank": "0"},
-                                                  progress=progress, desc=desc)
+            produce, kind = _producer(config, reader, model_def, model_config, float_specs, plan)
+            ranks = range(0 if config.weights_at_load else mapping.num_ranks)  # drawn at load: no weight files
+            label = "rank0" if mapping.num_ranks == 1 else f"rank0..rank{mapping.num_ranks - 1}"
+            written = write_safetensors_split(
+                [staging / rank_file_name(r) for r in ranks], specs, sharder.rank_specs[:len(ranks)], produce,
+                sharder.cut, [{"format": "pt", "kiln_rank": str(r)} for r in ranks], progress=progress,
+                desc=f"writing {label}{kind}") if ranks else []
         except CheckpointError as e:
             raise BuildError(str(e)) from e
         except QuantError as e:
             raise BuildError(str(e)) from None
-        files = {rank_file_name(0): FileEntry(written.size, written.sha256), **copy_tokenizer(checkpoint, staging)}
+        files = {**{rank_file_name(r): FileEntry(w.size, w.sha256) for r, w in enumerate(written)},
+                 **copy_tokenizer(checkpoint, staging)}
         build = EngineBuildConfig(
             dtype=dtype_name, max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
             max_seq_len=max_seq_len, kv_block_size=config.kv_block_size,
             kv_cache_dtype=dtype_name if plan is None or not plan.kv_quantized else plan.kv_cache_dtype,
             kv_cache_scales=None if plan is None else kv_cache_scales(plan, model_config.num_layers),
-            quantization=None if plan is None else quant_spec(plan).to_dict(), dummy_weights=config.dummy_weights)
+            quantization=None if plan is None else quant_spec(plan).to_dict(), dummy_weights=config.dummy_weights,
+            weights_at_load=config.weights_at_load)
         write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),
-                          build_config=build.to_dict(), mapping=Mapping().to_dict(), target=target, files=files,
+                          build_config=build.to_dict(), mapping=mapping.to_dict(), target=target, files=files,
                           kiln_version=kiln.__version__,
                           format_version=1 if plan is None else QUANTIZED_FORMAT_VERSION)
     logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,

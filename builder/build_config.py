@@ -25,6 +25,10 @@ class BuildConfig:
     kv_block_size: int = 16  # tokens per KV-cache block
     dummy_weights: bool = False  # random weights from config.json alone (benchmarks)
     seed: int = 0  # for dummy weights
+    # With dummy weights: write no weight files, the runtime draws them on the device at load (models whose
+    # weights do not fit the disk)
+    weights_at_load: bool = False
+    tp_size: int = 1  # tensor-parallel ranks the engine is split over (rank<N>.safetensors each)
     # Quantization (TensorRT-LLM's names): the weights' format and the KV cache's dtype.
     qformat: str = "full_prec"
     kv_cache_dtype: str = "auto"  # auto = the engine dtype
@@ -39,7 +43,7 @@ class BuildConfig:
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r} must be one of {', '.join(DEVICE_CHOICES)}")
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "awq_block_size", "calib_size",
-                     "calib_max_seq_len"):
+                     "calib_max_seq_len", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -47,6 +51,9 @@ class BuildConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
         if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > 256:
             raise ValueError(f"kv_block_size={self.kv_block_size} must be a power of two up to 256")
+        if self.weights_at_load and not self.dummy_weights:
+            raise ValueError("weights_at_load (--no-weight-files) needs dummy_weights (--dummy-weights): a "
+                             "checkpoint's weights must be written into the engine")
         if self.qformat not in QFORMATS:
             raise ValueError(f"qformat={self.qformat!r} is not a quantization format; valid: {', '.join(QFORMATS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:

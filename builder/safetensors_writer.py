@@ -9,6 +9,7 @@ File layout (https://github.com/huggingface/safetensors#format):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,6 +63,11 @@ class TensorSpec:
         return numel * self.dtype.itemsize
 
 
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    """The specs of named tensors (a meta network's state_dict), in their order."""
+    return [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+
 @dataclass(frozen=True)
 class WrittenFile:
     """A finished file: its final path, its size in bytes and the sha256 hex digest of all its bytes."""
@@ -80,6 +86,82 @@ def safetensors_dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in safetensors; supported: {supported}") from None
 
 
+class SafetensorsStream:
+    """One .safetensors file written tensor by tensor, in the order of its specs.
+
+    The header is written at once from the specs; each `add` checks the tensor against the next spec
+    and writes its bytes, hashed as they go, so only the tensor being added is held. The file is
+    `<path>.partial` until `finish` renames it, so a file at `path` is always complete; a stream closed
+    without `finish` (an exception in its `with` block) deletes its partial file. `on_write(n)`, when set,
+    is told of every n bytes written after it was set (a progress bar; `bytes_written` counts all).
+    """
+
+    def __init__(self, path: str | Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None,
+                 on_write: Callable[[int], None] | None = None) -> None:
+        if sys.byteorder != "little":
+            # safetensors stores little-endian bytes; we copy memory as is.
+            raise RuntimeError(f"writing safetensors needs a little-endian machine, this one is {sys.byteorder}")
+        self.path = Path(path)
+        self.specs = list(specs)
+        header = _encode_header(self.specs, metadata)  # bad specs fail before a file exists
+        self.size = len(header) + sum(spec.nbytes for spec in self.specs)
+        self._partial = self.path.with_name(self.path.name + ".partial")
+        self._digest = hashlib.sha256()
+        self.on_write = on_write
+        self.bytes_written = 0
+        self._added = 0
+        self._out = open(self._partial, "wb")
+        try:
+            self._emit(header)
+        except BaseException:
+            self.abort()
+            raise
+
+    def __enter__(self) -> SafetensorsStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self._out.closed:
+            self.abort()
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Writes the next spec's tensor; ValueError unless it has exactly that spec's dtype and shape."""
+        if self._added == len(self.specs):
+            raise ValueError(f"{self.path}: all {len(self.specs)} tensors of the header were written; one more "
+                             f"was added")
+        data = memoryview(_as_bytes(_checked(self.specs[self._added], tensor)))
+        for begin in range(0, len(data), _WRITE_CHUNK_BYTES):
+            self._emit(data[begin : begin + _WRITE_CHUNK_BYTES])
+        self._added += 1
+
+    def finish(self) -> WrittenFile:
+        """Syncs and renames the complete file into place; ValueError if a spec's tensor was never added."""
+        if self._added != len(self.specs):
+            raise ValueError(f"{self.path}: {len(self.specs) - self._added} of {len(self.specs)} tensors were never "
+                             f"added, the first {self.specs[self._added].name!r}")
+        self._out.flush()
+        os.fsync(self._out.fileno())
+        written = self._out.tell()
+        self._out.close()
+        if written != self.size:
+            self._partial.unlink(missing_ok=True)
+            raise RuntimeError(f"{self._partial}: wrote {written} bytes, header promised {self.size}")
+        os.replace(self._partial, self.path)
+        return WrittenFile(path=self.path, size=self.size, sha256=self._digest.hexdigest())
+
+    def abort(self) -> None:
+        """Closes and deletes the partial file (nothing at `path` is touched)."""
+        self._out.close()
+        self._partial.unlink(missing_ok=True)
+
+    def _emit(self, data: bytes | memoryview) -> None:
+        self._out.write(data)
+        self._digest.update(data)
+        self.bytes_written += len(data)
+        if self.on_write is not None:
+            self.on_write(len(data))
+
+
 def write_safetensors_streaming(
     path: str | Path,
     specs: Sequence[TensorSpec],
@@ -94,44 +176,49 @@ def write_safetensors_streaming(
     tensor must match its spec's dtype and shape exactly (ValueError otherwise). The file is written
     to `<path>.partial` and renamed at the end, so a file at `path` is always complete.
     """
-    if sys.byteorder != "little":
-        # safetensors stores little-endian bytes; we copy memory as is.
-        raise RuntimeError(f"writing safetensors needs a little-endian machine, this one is {sys.byteorder}")
     path = Path(path)
-    header = _encode_header(specs, metadata)
-    total_size = len(header) + sum(spec.nbytes for spec in specs)
-    partial = path.with_name(path.name + ".partial")
-    digest = hashlib.sha256()
-    try:
-        with (
-            open(partial, "wb") as out,
-            tqdm(
-                total=total_size, unit="B", unit_scale=True, desc=desc or path.name, disable=not progress
-            ) as bar,
-        ):
+    (written,) = write_safetensors_split([path], specs, [specs], produce, lambda name, tensor, index: tensor,
+                                         [metadata], progress=progress, desc=desc or path.name)
+    return written
 
-            def emit(data: bytes | memoryview) -> None:
-                out.write(data)
-                digest.update(data)
-                bar.update(len(data))
 
-            emit(header)
-            for spec in specs:
-                tensor = _checked(spec, produce(spec))
-                data = memoryview(_as_bytes(tensor))
-                for begin in range(0, len(data), _WRITE_CHUNK_BYTES):
-                    emit(data[begin : begin + _WRITE_CHUNK_BYTES])
-                del tensor, data  # drop the reference before producing the next one
-            out.flush()
-            os.fsync(out.fileno())
-            written = out.tell()
-        if written != total_size:
-            raise RuntimeError(f"{partial}: wrote {written} bytes, header promised {total_size}")
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return WrittenFile(path=path, size=total_size, sha256=digest.hexdigest())
+def write_safetensors_split(
+    paths: Sequence[str | Path],
+    specs: Sequence[TensorSpec],
+    file_specs: Sequence[Sequence[TensorSpec]],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    cut: Callable[[str, torch.Tensor, int], torch.Tensor],
+    metadata: Sequence[dict[str, str] | None] | None = None,
+    progress: bool = False,
+    desc: str = "",
+) -> list[WrittenFile]:
+    """Writes one safetensors file per path in one pass: tensor k of file i is `cut(name, whole, i)` of the
+    whole tensor `produce(specs[k])`, which must match `file_specs[i][k]` (tensor-parallel ranks' shares).
+
+    Each whole tensor is produced once, and only it and one cut of it are held at a time. A failure leaves
+    no partial file behind.
+    """
+    metadata = [None] * len(paths) if metadata is None else list(metadata)
+    if not len(paths) == len(file_specs) == len(metadata):
+        raise ValueError(f"{len(paths)} paths, {len(file_specs)} spec lists and {len(metadata)} metadata: "
+                         f"one of each per file")
+    for path, specs_i in zip(paths, file_specs, strict=True):
+        if len(specs_i) != len(specs):
+            raise ValueError(f"{path}: {len(specs_i)} tensors, but {len(specs)} whole tensors are produced")
+    with contextlib.ExitStack() as stack:
+        streams = [stack.enter_context(SafetensorsStream(path, specs_i, meta))
+                   for path, specs_i, meta in zip(paths, file_specs, metadata, strict=True)]
+        bar = stack.enter_context(tqdm(total=sum(stream.size for stream in streams), unit="B", unit_scale=True,
+                                       initial=sum(stream.bytes_written for stream in streams), desc=desc,
+                                       disable=not progress))
+        for stream in streams:
+            stream.on_write = bar.update
+        for spec in specs:
+            whole = _checked(spec, produce(spec))
+            for i, stream in enumerate(streams):
+                stream.add(cut(spec.name, whole, i))
+            del whole  # drop the reference before producing the next one
+        return [stream.finish() for stream in streams]
 
 
 def _encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:

@@ -28,6 +28,21 @@ class Mapping:
     def num_ranks(self) -> int:
         return self.tp_size
 
+    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
+        """KV heads each rank holds: its share, or one replicated head when there are fewer KV heads than ranks
+        (TensorRT-LLM's and vLLM's rule)."""
+        return max(1, num_kv_heads // self.tp_size)
+
+    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """ValueError unless every rank gets whole query heads and whole (or whole replicated) KV heads."""
+        tp = self.tp_size
+        if num_heads % tp:
+            raise ValueError(f"num_attention_heads={num_heads} is not divisible by tp_size={tp}: each rank needs "
+                             f"whole heads; choose a --tp-size that divides {num_heads}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} and tp_size={tp}: one must divide the other (KV "
+                             f"heads are split over ranks, or replicated when fewer than ranks)")
+
     def for_rank(self, rank: int) -> Mapping:
         """The same mapping as seen by `rank`."""
         return replace(self, tp_rank=rank)

@@ -2,9 +2,9 @@
 
 A recipe names its parts (checkpoint tensor names), how they combine (one tensor as is, concatenated
 along a dim, or stacked along a new dim) and an optional per-part transform that runs on each part
-before combining. The transform is where a tensor-parallel sharder sits (rank r's rows of q, k and v,
-so the fused result is [q_r; k_r; v_r]) and where a dequantizer would; AWQ/GPTQ pack along dim 1 and
-MoE experts stack, hence concatenation along any dim and stacking.
+before combining (where a dequantizer would sit; tensor parallelism cuts the finished whole tensor per
+rank, `builder/sharding.py`); AWQ/GPTQ pack along dim 1 and MoE experts stack, hence concatenation along
+any dim and stacking.
 
 A model def supplies `recipes(config, engine_names)`; `fused_recipes` is the Llama family's.
 """

@@ -95,16 +95,29 @@ def test_quant_config_picks_a_method_per_layer_by_prefix():
     assert torch.equal(down(x), F.linear(x, ((torch.arange(32).reshape(4, 8) - 16) * 0.5).half()))
 
 
-def test_sharded_layers_are_not_implemented_yet_but_replicated_ones_are():
+def test_rank_layers_hold_their_share_and_record_which():
     linears = LinearFactory(mapping=Mapping(tp_size=2, tp_rank=1))
-    for make in (lambda: linears.column("model.layers.0.self_attn.qkv_proj", 8, (8, 4, 4)),
-                 lambda: linears.row("model.layers.0.self_attn.o_proj", 8, 8),
-                 lambda: linears.lm_head("lm_head", 8, 50),
-                 lambda: linears.lm_head("lm_head", 8, 50, tied_to=nn.Embedding(50, 8))):
-        with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_size=2\)"):
-            make()
+    qkv = linears.column("model.layers.0.self_attn.qkv_proj", 8, (8, 4, 4))
+    assert qkv.weight.shape == (8, 8) and qkv.output_sizes == (4, 2, 2)
+    assert qkv.shard.ranges() == [(4, 8), (10, 12), (14, 16)]
+    o = linears.row("model.layers.0.self_attn.o_proj", 8, 8)
+    assert o.weight.shape == (8, 4) and o.shard.ranges() == [(4, 8)] and o.collective is not None
+    head = linears.lm_head("lm_head", 8, 51)  # padded to 52 rows: 26 per rank
+    assert head.weight.shape == (26, 8) and head.shard.ranges() == [(26, 52)]
+    with pytest.raises(ValueError, match=r"output features 5 \(parts \[5\]\) are not divisible by tp_size=2"):
+        linears.column("x", 8, 5)
+    with pytest.raises(RuntimeError, match="built without a TPComm"):
+        o(torch.zeros(1, 4))
     assert linears.replicated("router", 8, 2).weight.shape == (2, 8)
     assert LinearFactory(mapping=Mapping()).column("x", 8, 4).weight.shape == (4, 8)
+
+
+def test_qkv_of_fewer_kv_heads_than_ranks_replicates_them():
+    # 4 query heads, 1 KV head, head_dim 2, 4 ranks: every rank reads the one KV head
+    for rank in range(4):
+        qkv = LinearFactory(mapping=Mapping(tp_size=4, tp_rank=rank)).attention_qkv("qkv", 8, 4, 1, 2)
+        assert qkv.output_sizes == (2, 2, 2)
+        assert qkv.shard.ranges() == [(2 * rank, 2 * rank + 2), (8, 10), (10, 12)]
 
 
 def test_untied_lm_head_is_a_linear_without_bias():

@@ -101,8 +101,15 @@ def test_network_implements_the_causal_lm_protocol():
     _, config = hf_and_kiln_config("llama")
     model = meta_network(config, mapping=Mapping())
     assert isinstance(model, CausalLM) and model.config is config
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        meta_network(config, mapping=Mapping(tp_size=2))
+    whole = model.state_dict()
+    rank1 = meta_network(config, mapping=Mapping(tp_size=2, tp_rank=1)).state_dict()
+    assert list(rank1) == list(whole)  # same names on every rank; each holds its share
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert rank1[qkv].shape == (whole[qkv].shape[0] // 2, whole[qkv].shape[1])
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert rank1[down].shape == (whole[down].shape[0], whole[down].shape[1] // 2)
+    with pytest.raises(ValueError, match="num_attention_heads=.* is not divisible by tp_size=3"):
+        meta_network(config, mapping=Mapping(tp_size=3))
     with pytest.raises(TypeError, match="does not implement CausalLM"):
         build_network(dataclasses.replace(get_model_def("LlamaForCausalLM"), model_class=lambda *a: nn.Linear(2, 2)),
                       config)

@@ -22,7 +22,7 @@ CALIB_HELP = (
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build a Hugging Face checkpoint into an engine",
                        description="Convert, fuse, cast and optionally quantize a Hugging Face checkpoint into a "
-                                   "kiln engine directory (engine.json, rank0.safetensors, tokenizer/).")
+                                   "kiln engine directory (engine.json, rank<N>.safetensors, tokenizer/).")
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory (config.json, weights, "
                                                        "tokenizer files)")
     p.add_argument("--output", required=True, help="engine directory to write (replaced if it is an engine)")
@@ -38,6 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--dummy-weights", action="store_true",
                    help="random weights from config.json alone, no weight files needed (for benchmarks)")
+    p.add_argument("--no-weight-files", action="store_true",
+                   help="with --dummy-weights: write no weight files; the runtime draws the random weights on the "
+                        "device at load (for models whose weights do not fit the disk)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks the engine is split over, one process and GPU each; writes "
+                        "rank0..rank{N-1}.safetensors (default: 1)")
     q = p.add_argument_group("quantization")
     q.add_argument("--qformat", default="full_prec",
                    choices=["full_prec", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"], help=QFORMAT_HELP)
@@ -65,10 +71,11 @@ def run(args: argparse.Namespace) -> int:
     eval_text = read_text_arg(args.eval_text, "--eval-text") if args.eval_text else None  # fail before building
     config = BuildConfig(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                          max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
-                         kv_block_size=args.kv_block_size, dummy_weights=args.dummy_weights, qformat=args.qformat,
+                         kv_block_size=args.kv_block_size, dummy_weights=args.dummy_weights,
+                         weights_at_load=args.no_weight_files, qformat=args.qformat,
                          kv_cache_dtype=args.kv_cache_dtype, awq_block_size=args.awq_block_size,
                          calib_dataset=args.calib_dataset, calib_size=args.calib_size,
-                         calib_max_seq_len=args.calib_max_seq_len)
+                         calib_max_seq_len=args.calib_max_seq_len, tp_size=args.tp_size)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
     dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]

@@ -12,33 +12,54 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    """Keys and values of one token over all layers."""
+def kv_bytes_per_token(model_config, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Keys and values of one token over all layers, for `num_kv_heads` (default: the model's; a
+    tensor-parallel rank's own with `Mapping.kv_heads_per_rank`)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element
+    heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * model_config.num_layers * heads * model_config.head_dim * element
 
 
 def engine_summary(engine_dir: Path) -> str:
     from kiln.model_defs import build_network
-    from kiln.runtime.engine_loader import load_engine_info
+    from kiln.runtime.engine_loader import engine_quant_config, load_engine_info
 
     info = load_engine_info(engine_dir, verify_checksums=False)
-    build = info.config.build
-    weights = sum(info.spec.rank_file(r).stat().st_size for r in range(info.spec.num_ranks))
+    build, mapping = info.config.build, info.config.mapping
     with torch.device("meta"):
         full = build_network(info.model_def, info.model_config, dtype=build.torch_dtype)
-    full_bytes = sum(t.numel() * t.element_size() for t in full.state_dict().values())
-    kv = kv_bytes_per_token(info.model_config, build.kv_cache_torch_dtype)
-    kv_full = kv_bytes_per_token(info.model_config, build.torch_dtype)
+    full_bytes = _tensor_bytes(full)
+    if build.weights_at_load:  # no files: what each rank's network will draw
+        quant = engine_quant_config(info)
+        with torch.device("meta"):
+            rank_bytes = [_tensor_bytes(build_network(info.model_def, info.model_config, quant, mapping.for_rank(r),
+                                                      dtype=build.torch_dtype)) for r in range(mapping.num_ranks)]
+    else:
+        rank_bytes = [info.spec.rank_file(r).stat().st_size for r in range(info.spec.num_ranks)]
+    heads = mapping.kv_heads_per_rank(info.model_config.num_kv_heads)
+    kv = kv_bytes_per_token(info.model_config, build.kv_cache_torch_dtype, heads)
+    kv_full = kv_bytes_per_token(info.model_config, build.torch_dtype, heads)
     quant = build.quantization or {}
     qformat = quant.get("qformat", "full_prec")
-    lines = [f"weights {_mib(weights)} ({qformat}" + (f"; {build.dtype} would be {_mib(full_bytes)})"
-                                                      if qformat != "full_prec" else f", {build.dtype})"),
-             f"KV cache {kv:,} bytes/token ({build.kv_cache_dtype}"
-             + (f"; {build.dtype} would be {kv_full:,})" if kv != kv_full else ")")]
+    how = f"{qformat}; {build.dtype} would be {_mib(full_bytes)}" if qformat != "full_prec" else f"{qformat}, {build.dtype}"
+    if build.weights_at_load:
+        how += "; dummy, drawn on the device at load: the engine holds no weight files"
+    kv_how = build.kv_cache_dtype + (f"; {build.dtype} would be {kv_full:,}" if kv != kv_full else "")
+    if mapping.tp_size == 1:
+        lines = [f"weights {_mib(rank_bytes[0])} ({how})", f"KV cache {kv:,} bytes/token ({kv_how})"]
+    else:
+        # Each rank holds its own KV heads (one replicated head when there are fewer than ranks).
+        ranks = ", ".join(f"rank{r} {_mib(n)}" for r, n in enumerate(rank_bytes))
+        lines = [f"weights {_mib(sum(rank_bytes))} over {mapping.tp_size} ranks ({ranks}; {how})",
+                 f"KV cache {kv:,} bytes/token per rank ({heads} of {info.model_config.num_kv_heads} KV heads "
+                 f"each; {kv_how})"]
     calibration = quant.get("calibration")
     if calibration:
         lines.append(f"calibrated by ModelOpt {quant.get('modelopt_version')} on {calibration['dataset']}: "
                      f"{calibration['num_samples']} samples, {calibration['num_tokens']:,} tokens, "
                      f"{calibration['seconds']:.1f}s")
     return "\n".join(lines)
+
+
+def _tensor_bytes(network) -> int:
+    return sum(t.numel() * t.element_size() for t in network.state_dict().values())

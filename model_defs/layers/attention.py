@@ -17,16 +17,17 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.layer_sliding_windows[layer_index]
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = linears.column(f"{prefix}.qkv_proj", config.hidden_size, self.split_sizes,
-                                       config.qkv_bias)  # [q; k; v] rows
-        self.o_proj = linears.row(f"{prefix}.o_proj", q_size, config.hidden_size, config.o_bias)
+        # [q; k; v] rows of this rank's heads (all of them without tensor parallelism)
+        self.qkv_proj = linears.attention_qkv(f"{prefix}.qkv_proj", config.hidden_size, config.num_heads,
+                                              config.num_kv_heads, config.head_dim, config.qkv_bias)
+        self.split_sizes = self.qkv_proj.output_sizes
+        self.num_heads = self.split_sizes[0] // config.head_dim
+        self.num_kv_heads = self.split_sizes[1] // config.head_dim
+        self.o_proj = linears.row(f"{prefix}.o_proj", config.num_heads * config.head_dim, config.hidden_size,
+                                  config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)

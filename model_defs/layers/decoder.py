@@ -17,6 +17,7 @@ from .context import ForwardContext
 from .linear import LinearFactory
 from .mlp import GatedMLP, MLPFactory
 from .norm import RMSNorm
+from .parallel import VocabParallelEmbedding
 from .rotary import RotaryTables
 
 
@@ -45,7 +46,8 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, config: ModelConfig, linears: LinearFactory, mlp: MLPFactory, prefix: str) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=linears.dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype,
+                                                   linears.mapping, linears.comm)
         self.layers = nn.ModuleList(DecoderLayer(config, i, linears, mlp, f"{prefix}.layers.{i}")
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype)

@@ -3,13 +3,15 @@
 The idea is vLLM's "quant method". A model file asks a `LinearFactory` for each linear by what tensor
 parallelism would do with it (`column`, `row`, `replicated`, `lm_head`) and never sees the method, so
 quantized methods (from `kiln.quant`) and column/row-parallel layers plug in here without touching a
-model file. Today every layer is unsharded and, unless a QuantConfig says otherwise, unquantized.
+model file. Unless a QuantConfig says otherwise a layer is unquantized; with a mapping of tp_size > 1,
+`column` and `row` layers hold this rank's share (`parallel.FeatureShard`) and combine the shares with the
+factory's `TPComm`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -17,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .parallel import FeatureShard, TPComm, even_shard, gather_vocab, head_shard, require_comm, vocab_shard
+
 if TYPE_CHECKING:
     from kiln.engine_format.mapping import Mapping
     from kiln.quant.base import QuantConfig
 
-Parallelism = Literal["column", "row", "replicated"]
+Parallelism = Literal["column", "row", "replicated", "vocab"]
 
 
 @dataclass(frozen=True)
@@ -83,13 +87,18 @@ class Linear(nn.Module):
     """A linear layer whose tensors and product are its method's.
 
     `output_sizes` are the row counts of the parts a fused layer is made of ([q; k; v], [gate; up]), which
-    a sharder or a per-part scale needs; `parallel` is how tensor parallelism splits it.
+    a per-part scale needs; `parallel` is how tensor parallelism splits it. On a tensor-parallel rank the
+    features are this rank's (`shard` says which of the whole layer's they are) and `collective` combines
+    the ranks' outputs (a row layer's all-reduce, the lm_head's gather).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod, *,
                  prefix: str = "", output_sizes: tuple[int, ...] | None = None,
-                 parallel: Parallelism = "replicated") -> None:
+                 parallel: Parallelism = "replicated", shard: FeatureShard | None = None,
+                 collective: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
+        self.shard = shard
+        self.collective = collective
         self.in_features = in_features
         self.out_features = out_features
         self.output_sizes = output_sizes or (out_features,)
@@ -101,7 +110,8 @@ class Linear(nn.Module):
         method.create(self, in_features, out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)  # x: [T, in] -> [T, out]
+        y = self.method.apply(self, x)  # x: [T, in] -> [T, out]
+        return y if self.collective is None else self.collective(y)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, {self.parallel}, method={self.method}"
@@ -113,19 +123,22 @@ class TiedLinear(nn.Module):
     It registers no parameters, so the engine stores the matrix once, under the owner's name.
     """
 
-    def __init__(self, owner: nn.Module, method: LinearMethod) -> None:
+    def __init__(self, owner: nn.Module, method: LinearMethod,
+                 collective: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         # In a tuple so that nn.Module does not register the owner a second time (state_dict would list
         # its weight again); the weight is read through it at call time, so loading with assign=True works.
         self._owner = (owner,)
         self.method = method
+        self.collective = collective  # a vocab-parallel embedding's heads gather the ranks' logits
 
     @property
     def weight(self) -> torch.Tensor:
         return self._owner[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)  # x: [T, in] -> [T, out]
+        y = self.method.apply(self, x)  # x: [T, in] -> [T, out]
+        return y if self.collective is None else self.collective(y)
 
 
 @dataclass(frozen=True)
@@ -134,39 +147,56 @@ class LinearFactory:
 
     `dtype` is the dtype of every unquantized floating tensor (the network's norms and embeddings too).
     Layers are named by their module path (`prefix`, e.g. "model.layers.0.self_attn.qkv_proj"), which is
-    how a QuantConfig picks a method per layer. Tensor parallelism will return column/row-parallel Linear
-    kinds from `column` and `row`; until then a mapping with tp_size > 1 is refused.
+    how a QuantConfig picks a method per layer. With `mapping.tp_size` > 1, `column` and `row` layers hold
+    this rank's share and `comm` combines them (None on the builder's meta networks, which never run).
     """
 
     quant: QuantConfig | None = None
     mapping: Mapping | None = None
     dtype: torch.dtype = torch.float32
+    comm: TPComm | None = None
 
     @property
     def tp_size(self) -> int:
         return 1 if self.mapping is None else self.mapping.tp_size
 
     def method(self, prefix: str, in_features: int, out_features: int) -> LinearMethod:
-        """The quantization config's method for this layer, or unquantized when there is none."""
+        """The quantization config's method for this layer, or unquantized when there is none. It is chosen
+        by the whole layer's shape, so every rank of a tensor-parallel engine picks the same one."""
         chosen = None if self.quant is None else self.quant.linear_method(prefix, in_features, out_features,
                                                                           self.dtype)
         return chosen if chosen is not None else UnquantizedLinear(self.dtype)
 
     def column(self, prefix: str, in_features: int, output_sizes: int | Sequence[int],
-               bias: bool = False) -> Linear:
+               bias: bool = False, shard: FeatureShard | None = None) -> Linear:
         """Output features split over ranks (qkv_proj, gate_up_proj). A fused layer gives its parts' sizes,
-        e.g. (q_size, kv_size, kv_size): each rank holds its share of every part."""
+        e.g. (q_size, kv_size, kv_size): each rank holds its share of every part (`shard`, default an even
+        split of each part)."""
         sizes = (output_sizes,) if isinstance(output_sizes, int) else tuple(output_sizes)
-        self._refuse_sharding(prefix, "column")
-        out_features = sum(sizes)
-        return Linear(in_features, out_features, bias, self.method(prefix, in_features, out_features),
-                      prefix=prefix, output_sizes=sizes, parallel="column")
+        method = self.method(prefix, in_features, sum(sizes))
+        if self.tp_size > 1:
+            shard = shard or even_shard("output", sizes, self.mapping, prefix)
+            sizes = shard.local_sizes
+        return Linear(in_features, sum(sizes), bias, method, prefix=prefix, output_sizes=sizes, parallel="column",
+                      shard=shard if self.tp_size > 1 else None)
+
+    def attention_qkv(self, prefix: str, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      bias: bool = False) -> Linear:
+        """The fused [q; k; v] projection, column-parallel by whole heads (KV heads replicated when there are
+        fewer than ranks)."""
+        sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        shard = head_shard(num_heads, num_kv_heads, head_dim, self.mapping) if self.tp_size > 1 else None
+        return self.column(prefix, hidden_size, sizes, bias, shard)
 
     def row(self, prefix: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
-        """Input features split over ranks (o_proj, down_proj); the partial outputs are summed."""
-        self._refuse_sharding(prefix, "row")
-        return Linear(in_features, out_features, bias, self.method(prefix, in_features, out_features),
-                      prefix=prefix, parallel="row")
+        """Input features split over ranks (o_proj, down_proj); the partial outputs are summed (all-reduce).
+        Only rank 0's share of the bias is non-zero, so the sum adds it once."""
+        method = self.method(prefix, in_features, out_features)
+        if self.tp_size == 1:
+            return Linear(in_features, out_features, bias, method, prefix=prefix, parallel="row")
+        shard = even_shard("input", (in_features,), self.mapping, prefix)
+        return Linear(shard.local_sizes[0], out_features, bias, method, prefix=prefix, parallel="row",
+                      shard=shard, collective=self._reduce(prefix))
 
     def replicated(self, prefix: str, in_features: int, out_features: int, bias: bool = False) -> Linear:
         """The whole layer on every rank (small layers, e.g. an MoE router)."""
@@ -176,15 +206,21 @@ class LinearFactory:
     def lm_head(self, prefix: str, hidden_size: int, vocab_size: int,
                 tied_to: nn.Module | None = None) -> nn.Module:
         """hidden [N, H] -> logits [N, V]. Tied to an embedding it reuses that module's weight [V, H],
-        stored once and unquantized, like the embedding itself."""
-        if tied_to is None:
-            return self.column(prefix, hidden_size, vocab_size)
-        self._refuse_sharding(prefix, "vocab")
-        return TiedLinear(tied_to, UnquantizedLinear(self.dtype))
-
-    def _refuse_sharding(self, prefix: str, kind: str) -> None:
+        stored once and unquantized, like the embedding itself. With tp_size > 1 each rank computes its
+        rows of the (padded) vocabulary and the ranks' logits are gathered."""
+        gather = None
         if self.tp_size > 1:
-            raise NotImplementedError(
-                f"tensor parallelism (tp_size={self.tp_size}) is not implemented yet: {prefix} would need a "
-                f"{kind}-parallel linear"
-            )
+            comm = self.comm
+            gather = lambda logits: gather_vocab(comm, logits, vocab_size)  # noqa: E731
+        if tied_to is not None:
+            return TiedLinear(tied_to, UnquantizedLinear(self.dtype), gather)
+        method = self.method(prefix, hidden_size, vocab_size)
+        if self.tp_size == 1:
+            return Linear(hidden_size, vocab_size, False, method, prefix=prefix, parallel="column")
+        shard = vocab_shard(vocab_size, self.mapping)
+        return Linear(hidden_size, shard.local_sizes[0], False, method, prefix=prefix, parallel="vocab",
+                      shard=shard, collective=gather)
+
+    def _reduce(self, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        comm = self.comm
+        return lambda y: require_comm(comm, prefix).all_reduce(y)

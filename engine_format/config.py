@@ -42,6 +42,9 @@ class EngineBuildConfig:
     kv_cache_dtype: str  # the KV cache's own dtype, a key of KV_CACHE_DTYPES (separate from `dtype`)
     quantization: dict[str, Any] | None = None  # the weights' quantization, None for full precision
     dummy_weights: bool = False  # random weights from config.json alone (benchmarks)
+    # Dummy weights drawn on the device at load: the engine holds no weight files (models whose weights do
+    # not fit the disk can still be benchmarked).
+    weights_at_load: bool = False
     # Per layer (k_scale, v_scale) of an "fp8" or "int8" cache (calibrated amax / 448 or amax / 127): a key k
     # is stored as k / k_scale and read back as stored * k_scale. None, and only None, for a float cache.
     # Its length is checked against the model's layers where the model config is known (the runtime).
@@ -56,8 +59,11 @@ class EngineBuildConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if self.quantization is not None and not isinstance(self.quantization, dict):
             raise ValueError(f"quantization={self.quantization!r} must be an object or null")
-        if not isinstance(self.dummy_weights, bool):
-            raise ValueError(f"dummy_weights={self.dummy_weights!r} must be true or false")
+        for name in ("dummy_weights", "weights_at_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.weights_at_load and not self.dummy_weights:
+            raise ValueError("weights_at_load=true needs dummy_weights=true: only dummy weights can be drawn at load")
         # Frozen: the normalized form (a tuple of float pairs, whatever sequences came in) is set once here.
         object.__setattr__(self, "kv_cache_scales", _check_kv_cache_scales(self.kv_cache_scales,
                                                                            self.kv_cache_dtype))

@@ -164,7 +164,9 @@ def load_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = True) -
         _check_field(engine_dir, document, field, expected, hint)
     mapping = _parse_mapping(engine_dir, document["mapping"], hint)
     files = parse_manifest(engine_dir, document["files"], hint)
-    for rank in range(mapping["num_ranks"]):
+    # An engine whose dummy weights are drawn at load has no rank files.
+    weightless = document["build_config"].get("weights_at_load") is True
+    for rank in range(0 if weightless else mapping["num_ranks"]):
         if rank_file_name(rank) not in files:
             raise EngineError(
                 f"{engine_dir / ENGINE_JSON}: mapping.num_ranks is {mapping['num_ranks']} but the manifest "

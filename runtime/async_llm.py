@@ -93,8 +93,14 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """False once the engine thread has stopped (shutdown, or a crash)."""
-        return not self._stopped.is_set()
+        """False once the engine thread has stopped (shutdown, or a crash) or the executor has failed (a
+        tensor-parallel rank died: noticed even while idle)."""
+        return not self._stopped.is_set() and self.engine.fault is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine thread, if it crashed."""
+        return self._error
 
     def kv_cache_stats(self) -> dict[str, int]:
         """A snapshot; reads plain counters, safe from any thread."""
@@ -137,6 +143,7 @@ class AsyncLLM:
             self._sinks.clear()
         finally:
             self._stopped.set()
+            self.engine.shutdown()
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]

@@ -74,11 +74,23 @@ class LLMEngine:
 
     @property
     def memory_report(self) -> MemoryReport:
-        return self.executor.memory_report
+        """Where rank 0's device memory went at startup (each rank alike); says when the weights are dummy ones
+        drawn at load."""
+        return dataclasses.replace(self.executor.memory_report,
+                                   dummy_weights_at_load=self.info.config.build.weights_at_load)
 
     @property
     def graph_capture_seconds(self) -> float:
         return self.executor.graph_capture_seconds
+
+    @property
+    def fault(self) -> str | None:
+        """Why the executor cannot run steps any more (a tensor-parallel rank failed), None while it can."""
+        return self.executor.fault
+
+    def shutdown(self) -> None:
+        """Releases the executor (stops a tensor-parallel engine's other ranks); the engine is unusable after."""
+        self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:

@@ -10,6 +10,9 @@ from kiln.engine_format import ENGINE_JSON, EngineError
 from kiln.engine_format.config import KVCacheScales
 
 from .device_support import check_device_supports
+from .distributed import TPExecutor, launch_from_env
+from .distributed.launch import local_launch
+from .distributed.worker import run_worker
 from .engine import LLMEngine
 from .engine_loader import (
     EngineInfo,
@@ -38,15 +41,29 @@ def kv_cache_scales(info: EngineInfo) -> KVCacheScales | None:
 
 
 def create_executor(info: EngineInfo, runtime: RuntimeConfig) -> Executor:
-    """The executor for the engine's mapping: one rank here, in this process. Refuses, before allocating
-    anything, an engine whose formats the device cannot run or whose KV-cache scales do not fit the model."""
+    """The executor for the engine's mapping: one rank in this process, or rank 0 of a tensor-parallel
+    engine (which starts the other ranks, unless a launcher such as torchrun started them). Refuses, before
+    allocating anything, an engine whose formats the device cannot run or whose KV-cache scales do not fit
+    the model. Under a launcher, a process of rank > 0 runs its rank's steps here until rank 0 stops the
+    engine, then exits: the others only run steps."""
     check_device_supports(info.config.build, runtime.device)
     scales = kv_cache_scales(info)
-    mapping = info.config.mapping
-    if mapping.tp_size > 1:
-        raise EngineError(f"engine {info.spec.engine_dir} is split over tp_size={mapping.tp_size} ranks; this kiln "
-                          f"runs single-rank engines only: rebuild it without --tp-size")
-    return LocalExecutor(load_network(info, runtime.device), runtime, scales)
+    tp_size = info.config.mapping.tp_size
+    try:
+        launch = launch_from_env()
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if tp_size == 1:
+        return LocalExecutor(load_network(info, runtime.device), runtime, scales)
+    if launch is None:
+        launch = local_launch(tp_size)
+    elif launch.world_size != tp_size:
+        raise EngineError(f"engine {info.spec.engine_dir} is split over tp_size={tp_size} ranks but the launcher "
+                          f"started WORLD_SIZE={launch.world_size} processes: start {tp_size} (torchrun "
+                          f"--nnodes ... --nproc-per-node ...), or rebuild with --tp-size {launch.world_size}")
+    if launch.rank != 0:
+        run_worker(info.spec.engine_dir, runtime, launch, scales)  # never returns: the process ends with the engine
+    return TPExecutor(info, runtime, scales, launch)
 
 
 def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True, **runtime_options) -> LLMEngine:
@@ -63,6 +80,10 @@ def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True, **ru
 
 
 def engine_from_loaded(loaded: LoadedEngine, runtime: RuntimeConfig) -> LLMEngine:
-    """An engine core over a network already loaded in this process (several engines may share one)."""
+    """An engine core over a network already loaded in this process (several engines may share one);
+    single-rank engines only."""
     check_device_supports(loaded.config.build, runtime.device)
+    if loaded.config.mapping.tp_size > 1:
+        raise EngineError(f"engine {loaded.spec.engine_dir} has tp_size={loaded.config.mapping.tp_size} ranks: "
+                          f"load it with create_engine (kiln.runtime.LLM), which starts them")
     return LLMEngine(loaded, runtime, LocalExecutor(loaded.model, runtime, kv_cache_scales(loaded)))

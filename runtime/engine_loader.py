@@ -26,6 +26,8 @@ from kiln.engine_format import (
     read_engine_config,
 )
 from kiln.model_defs import CausalLM, ModelConfig, ModelConfigError, ModelDef, build_network, get_model_def
+from kiln.model_defs.dummy_weights import draw_dummy_weights
+from kiln.model_defs.layers.parallel import TPComm
 from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.spec import QuantSpec
 
@@ -228,13 +230,18 @@ def engine_quant_config(info: EngineInfo) -> QuantConfig | None:
                           f"engine with this kiln") from None
 
 
-def load_network(info: EngineInfo, device: torch.device, rank: int = 0) -> CausalLM:
-    """Rank `rank`'s network with its weights on `device`, built by the same `build_network` as the builder."""
+def load_network(info: EngineInfo, device: torch.device, rank: int = 0, comm: TPComm | None = None) -> CausalLM:
+    """Rank `rank`'s network with its weights on `device`, built by the same `build_network` as the builder;
+    `comm`: its tensor-parallel group's collectives (needed when the engine has several ranks)."""
     path = info.spec.rank_file(rank)
     quant = engine_quant_config(info)
     with torch.device("meta"):
         model = build_network(info.model_def, info.model_config, quant, info.config.mapping.for_rank(rank),
-                              dtype=info.config.build.torch_dtype)
+                              dtype=info.config.build.torch_dtype, comm=comm)
+    if info.config.build.weights_at_load:
+        draw_dummy_weights(model, seed=0, device=device)
+        logger.info("drew dummy weights for rank %d on %s (the engine holds no weight files)", rank, device)
+        return model.eval()
     try:
         weights = load_file(str(path), device=str(device))
     except Exception as e:  # safetensors raises its own error types

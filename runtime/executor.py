@@ -1,9 +1,8 @@
 """The executor seam: what the engine core calls to run the network, wherever the network lives.
 
 The engine schedules, samples and detokenizes; an executor only turns a plain-data `StepInput` into
-logits. `LocalExecutor` runs one rank in this process (today's only kind); a tensor-parallel executor
-will start one worker per rank, broadcast each StepInput from rank 0 and return rank 0's logits, behind
-the same three members.
+logits. `LocalExecutor` runs one rank in this process; `distributed.TPExecutor` is rank 0 of a
+tensor-parallel engine, which sends each StepInput to the other ranks and returns the gathered logits.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ class Executor(Protocol):
     num_kv_blocks: int  # KV blocks each rank holds (the block manager manages this many)
     memory_report: MemoryReport  # where rank 0's device memory went at startup
     graph_capture_seconds: float
+    fault: str | None  # why steps cannot run any more (a rank failed); None while they can
 
     def execute(self, step: StepInput) -> StepResult:
         """Runs one step on every rank; logits come back on rank 0's device."""
@@ -50,6 +50,7 @@ class LocalExecutor:
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.memory_report = self.runner.memory_report
         self.graph_capture_seconds = self.runner.graph_capture_seconds
+        self.fault = None
 
     def execute(self, step: StepInput) -> StepResult:
         return self.runner.execute(step)

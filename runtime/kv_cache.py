@@ -8,16 +8,27 @@ per layer (engine.json `kv_cache_scales`), held here as device tensors the atten
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import torch
 
+from kiln.engine_format import Mapping
 from kiln.model_defs import ModelConfig
 from kiln.plugins.kv_cache import QUANTIZED_KV_DTYPES
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # (k, v): [num_blocks, block_size, Hk, D] each
 LayerScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale): [1] float32 each
+
+
+def rank_cache_config(config: ModelConfig, mapping: Mapping | None) -> ModelConfig:
+    """The model config as one tensor-parallel rank's cache sees it: that rank's query and KV heads (a KV
+    head replicated when there are fewer than ranks); `config` itself without tensor parallelism."""
+    if mapping is None or mapping.tp_size == 1:
+        return config
+    return dataclasses.replace(config, num_heads=config.num_heads // mapping.tp_size,
+                               num_kv_heads=mapping.kv_heads_per_rank(config.num_kv_heads))
 
 
 def is_quantized(dtype: torch.dtype) -> bool:

@@ -130,3 +130,13 @@ class LLM:
     def kv_cache_stats(self) -> dict[str, int]:
         """{"total_blocks", "free_blocks", ...}: free_blocks counts cached blocks no request uses."""
         return self.engine.kv_cache_stats()
+
+    def shutdown(self) -> None:
+        """Releases the engine now rather than at exit (a tensor-parallel engine's other ranks stop)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

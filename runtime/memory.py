@@ -35,6 +35,8 @@ class MemoryReport:
     kv_cache_memory_fraction: float
     kv_cache_dtype: str = ""  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
     kv_bytes_per_token: int = 0  # keys and values of one token over all layers (KVCache.bytes_per_token)
+    tp_size: int = 1  # ranks of a tensor-parallel engine: the numbers are one rank's (each holds alike)
+    dummy_weights_at_load: bool = False  # the weights are random, drawn at load (the engine has no weight files)
 
     @property
     def sequences_at_max_len(self) -> int:
@@ -42,7 +44,9 @@ class MemoryReport:
         return self.num_kv_blocks // -(-self.max_seq_len // self.block_size)
 
     def summary(self) -> str:
-        return (f"memory on {self.device}: weights {self.weights_bytes / GIB:.2f} GiB, activations "
+        where = self.device if self.tp_size == 1 else f"{self.device}, per rank of {self.tp_size}"
+        drawn = " (dummy, drawn at load)" if self.dummy_weights_at_load else ""
+        return (f"memory on {where}: weights {self.weights_bytes / GIB:.2f} GiB{drawn}, activations "
                 f"{self.activation_bytes / GIB:.2f} GiB, KV cache {self.kv_cache_bytes / GIB:.2f} GiB "
                 f"({self.kv_cache_dtype or 'unknown dtype'}, {self.kv_bytes_per_token} bytes per token; "
                 f"{self.num_kv_blocks} blocks of {self.block_size} tokens = "

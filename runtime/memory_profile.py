@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kiln.model_defs import CausalLM
+from kiln.model_defs import CausalLM, ModelConfig
 
 from . import memory
 from .kv_cache import KVCache
@@ -18,10 +18,12 @@ from .step_inputs import build_context
 @torch.inference_mode()
 def profile_activation_bytes(model: CausalLM, *, max_num_tokens: int, max_batch_size: int, max_seq_len: int,
                              block_size: int, kv_dtype: torch.dtype, device: torch.device,
-                             fraction: float, kv_scales: Sequence[tuple[float, float]] | None = None) -> int:
+                             fraction: float, kv_scales: Sequence[tuple[float, float]] | None = None,
+                             cache_config: ModelConfig | None = None) -> int:
     """Peak memory of one step at the limits: max_num_tokens tokens through the network, logits and a
     top-p sampling pass for max_batch_size rows. Runs on a throwaway cache just big enough (with the
-    engine's scales for a quantized cache: its quantize and dequantize copies count too)."""
+    engine's scales for a quantized cache: its quantize and dequantize copies count too). `cache_config`:
+    the heads this rank's cache holds (default: the model's)."""
     tokens = max_num_tokens
     seq_len = min(max_seq_len, tokens)
     lengths = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
@@ -29,7 +31,7 @@ def profile_activation_bytes(model: CausalLM, *, max_num_tokens: int, max_batch_
     torch.cuda.synchronize(device)
     cache = hidden = logits = None
     try:
-        cache = KVCache(model.config, blocks_per_seq * len(lengths), block_size, kv_dtype, device, kv_scales)
+        cache = KVCache(cache_config or model.config, blocks_per_seq * len(lengths), block_size, kv_dtype, device, kv_scales)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         ctx = build_context(

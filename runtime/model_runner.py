@@ -10,16 +10,17 @@ limits, sizes the KV cache from what is left, then captures the graphs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kiln.engine_format import Mapping
 from kiln.model_defs import CausalLM
 
 from . import memory
 from .cuda_graphs import DecodeGraphs, decode_batch
-from .kv_cache import KVCache, is_quantized
+from .kv_cache import KVCache, is_quantized, rank_cache_config
 from .memory_profile import profile_activation_bytes
 from .model_step import StepInput, StepResult
 from .prompt_logprobs import prompt_logprobs
@@ -44,15 +45,21 @@ class RunnerLimits:
 class ModelRunner:
     """`kv_cache_scales`: per layer (k_scale, v_scale) of a quantized (FP8, INT8) `kv_cache_dtype`
     (engine.json `kv_cache_scales`), None for a float cache; every step's ForwardContext carries them as
-    device tensors."""
+    device tensors.
+
+    On a tensor-parallel rank (`mapping`), the cache holds this rank's KV heads, and `agree_num_blocks`
+    turns the blocks this rank's memory holds into the number every rank allocates (the minimum); every
+    rank must construct its runner and execute the same steps in the same order (their collectives meet)."""
 
     def __init__(self, model: CausalLM, *, device: torch.device, kv_cache_dtype: torch.dtype,
-                 limits: RunnerLimits, kv_cache_scales: Sequence[tuple[float, float]] | None = None) -> None:
+                 limits: RunnerLimits, kv_cache_scales: Sequence[tuple[float, float]] | None = None,
+                 mapping: Mapping | None = None, agree_num_blocks: Callable[[int], int] | None = None) -> None:
         self.model = model
         self.device = device
         self.limits = limits
         self.block_size = limits.block_size
         model.setup_rotary(limits.max_seq_len, device)
+        cache_config = rank_cache_config(model.config, mapping)
         weights = memory.tensor_bytes(model)
         fraction = limits.kv_cache_memory_fraction
         activation = 0
@@ -60,13 +67,17 @@ class ModelRunner:
             activation = profile_activation_bytes(
                 model, max_num_tokens=limits.max_num_tokens, max_batch_size=limits.max_batch_size,
                 max_seq_len=limits.max_seq_len, block_size=limits.block_size, kv_dtype=kv_cache_dtype,
-                device=device, fraction=fraction, kv_scales=kv_cache_scales)
+                device=device, fraction=fraction, kv_scales=kv_cache_scales, cache_config=cache_config)
+        # Ranks on one host share its memory: on the CPU each takes its share of the fraction.
+        host_share = 1 if device.type == "cuda" or mapping is None else mapping.tp_size
         num_blocks = memory.plan_kv_blocks(
-            device, KVCache.bytes_per_block(model.config, limits.block_size, kv_cache_dtype), limits.num_kv_blocks,
-            fraction=fraction, activation_bytes=activation, weights_bytes=weights,
+            device, KVCache.bytes_per_block(cache_config, limits.block_size, kv_cache_dtype), limits.num_kv_blocks,
+            fraction=fraction / host_share, activation_bytes=activation, weights_bytes=weights,
             max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len, block_size=limits.block_size)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
         try:
-            self.kv_cache = KVCache(model.config, num_blocks, limits.block_size, kv_cache_dtype, device,
+            self.kv_cache = KVCache(cache_config, num_blocks, limits.block_size, kv_cache_dtype, device,
                                     kv_cache_scales)
         except torch.OutOfMemoryError:
             raise memory.out_of_memory(f"allocating {num_blocks} KV blocks", fraction) from None
@@ -88,7 +99,8 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache.nbytes, graph_bytes=graph_bytes, num_kv_blocks=num_blocks,
             block_size=limits.block_size, max_seq_len=limits.max_seq_len, kv_cache_memory_fraction=fraction,
             kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
-            kv_bytes_per_token=KVCache.bytes_per_token(model.config, kv_cache_dtype))
+            kv_bytes_per_token=KVCache.bytes_per_token(cache_config, kv_cache_dtype),
+            tp_size=1 if mapping is None else mapping.tp_size)
         logger.info("%s", self.memory_report.summary())
 
     def _capture_graphs(self, fraction: float) -> int:

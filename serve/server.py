@@ -20,6 +20,7 @@ from .http_guard import LimitedTCPSite
 
 logger = logging.getLogger("kiln.serve")
 
+ENGINE_WATCH_PERIOD_S = 0.5
 # What shutdown may take beyond --shutdown-timeout (aborting, closing listeners, stopping the engine thread)
 # before the process exits regardless.
 SHUTDOWN_GRACE_S = 5.0
@@ -128,7 +129,15 @@ async def serve(config: ServeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    signalled, failed = asyncio.create_task(stop.wait()), asyncio.create_task(_engine_failure(server))
+    await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if failed.done():
+        # Health has been unready since the engine stopped; leave, so that a supervisor restarts the server.
+        print(f"kiln serve: the engine failed ({failed.result()}); exiting", flush=True)
+        await server.stop()
+        raise SystemExit(1)
+    failed.cancel()
     print(f"kiln serve: stopping (running requests get {config.shutdown_timeout_s:g} s; a second signal exits "
           f"at once)", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,6 +149,14 @@ async def serve(config: ServeConfig) -> None:
     await server.stop()
     watchdog.cancel()
     print("kiln serve: stopped", flush=True)
+
+
+async def _engine_failure(server: KilnServer) -> str:
+    """Returns why, once the engine has stopped by itself (its thread crashed, or a tensor-parallel rank died)."""
+    llm = server.service.llm
+    while llm.is_running:
+        await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
+    return llm.engine.fault or repr(llm.error)
 
 
 def _exit_now(reason) -> None:

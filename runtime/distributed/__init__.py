@@ -1,0 +1,11 @@
+"""Tensor-parallel engines on torch.distributed: one process per rank, NCCL between GPUs, gloo on CPUs.
+
+`launch.py` decides where the ranks come from (started here, or a `torchrun` launch that started this
+process), `group.py` joins them into process groups, `comm.py` gives the network its collectives,
+`executor.py` is rank 0's `Executor` and `worker.py` every other rank's step loop.
+"""
+
+from .executor import TPExecutor
+from .launch import RankLaunch, launch_from_env
+
+__all__ = ["RankLaunch", "TPExecutor", "launch_from_env"]

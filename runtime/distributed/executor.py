@@ -1,0 +1,194 @@
+"""Rank 0 of a tensor-parallel engine: the `Executor` the engine core talks to.
+
+Each step it sends the plain-data `StepInput` to the other ranks, runs its own shard, and returns the
+logits (gathered over ranks by the network's lm_head). It starts the other ranks itself unless a launcher
+(torchrun) started them, and watches them: a rank that dies or fails ends the engine with an EngineError
+naming the rank and the cause, within seconds, never a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+from kiln.engine_format import EngineError
+
+from ..engine_loader import EngineInfo, RuntimeConfig
+from ..model_step import StepInput, StepResult
+from .group import RankGroups
+from .launch import RankLaunch, start_local_workers
+from .rank import join, rank_runtime, start_runner
+
+logger = logging.getLogger("kiln.runtime")
+
+WATCH_PERIOD_S = 0.5
+# After a rank's death, a step still running this long on rank 0 is stuck in a collective: exit.
+STUCK_STEP_EXIT_S = 15.0
+WORKER_STOP_TIMEOUT_S = 10.0
+
+
+class TPExecutor:
+    """`launch`: this process is rank 0 of it (`RankLaunch.external`: a launcher started the other ranks)."""
+
+    def __init__(self, info: EngineInfo, runtime: RuntimeConfig,
+                 kv_cache_scales: Sequence[tuple[float, float]] | None, launch: RankLaunch) -> None:
+        self.launch = launch
+        self.world_size = launch.world_size
+        self.fault: str | None = None  # why the engine cannot run any more, once a rank has failed
+        self.groups: RankGroups | None = None
+        self._processes = []
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._step_started: float | None = None
+        engine_dir = info.spec.engine_dir
+        own = rank_runtime(runtime, launch, engine_dir)  # refuses too few GPUs before starting anything
+        if not launch.external:
+            level = logging.getLogger("kiln").getEffectiveLevel()
+            self._processes = start_local_workers(
+                lambda r: (str(engine_dir), runtime, launch.for_rank(r), kv_cache_scales, level), launch)
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        try:
+            self.groups = self._join(own)
+            self._watch()
+            self.runner = start_runner(info, own, self.groups, kv_cache_scales)
+        except BaseException as e:
+            error = EngineError(self._describe(e, "starting"))
+            self.shutdown()
+            raise error from e
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self.memory_report = self.runner.memory_report
+        self.graph_capture_seconds = self.runner.graph_capture_seconds
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks this process started (1, 2, ...), empty under a launcher."""
+        return [p.pid for p in self._processes]
+
+    def execute(self, step: StepInput) -> StepResult:
+        if self.fault is not None:
+            raise EngineError(self.fault)
+        self._step_started = time.monotonic()
+        try:
+            self.groups.send_step(step)
+            return self.runner.execute(step)
+        except Exception as e:
+            raise EngineError(self._describe(e, "running a step")) from e
+        finally:
+            self._step_started = None
+
+    def shutdown(self) -> None:
+        """Stops every rank: tells the others to stop, waits for the ones it started, leaves the groups."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            # Joined, not left running: a store call of a thread that outlives the interpreter aborts the process.
+            self._watcher.join(5.0)
+        if self.groups is not None and self.fault is None:
+            try:
+                self.groups.send_step(None)
+            except Exception as e:  # a rank is gone already; the others end when the group does
+                logger.debug("stopping the ranks: %s", e)
+            else:
+                # Leaving the groups while another rank still tears its own down can abort either process.
+                self.groups.wait_stopped(WORKER_STOP_TIMEOUT_S)
+        for process in self._processes:
+            try:
+                process.wait(WORKER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.groups is not None:
+            self.groups.destroy()
+
+    # ---- faults --------------------------------------------------------------------------------
+    def _join(self, runtime: RuntimeConfig) -> RankGroups:
+        """Meets the other ranks, in a thread so that a rank that dies while starting is noticed here
+        instead of after the rendezvous times out."""
+        box: dict[str, object] = {}
+
+        def meet() -> None:
+            try:
+                box["groups"] = join(runtime, self.launch)
+            except BaseException as e:  # handed to the waiting thread
+                box["error"] = e
+
+        thread = threading.Thread(target=meet, name="kiln-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive() and self._dead_processes():
+                raise RuntimeError("a rank exited before the ranks met")
+        if "error" in box:
+            raise box["error"]
+        return box["groups"]
+
+    def _dead_processes(self) -> list[tuple[int, int, int]]:
+        """(rank, pid, exit code) of started ranks that have exited."""
+        return [(rank, p.pid, p.poll()) for rank, p in enumerate(self._processes, 1) if p.poll() is not None]
+
+    def _describe(self, error: BaseException, doing: str) -> str:
+        """What went wrong, naming the rank: what a failed rank posted, how a started one died, or rank 0's
+        own error."""
+        for process in self._processes:  # a rank that just died may not have been reaped yet
+            try:
+                process.wait(0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        posted = {} if self.groups is None else self.groups.posted_errors()
+        causes = [f"rank {rank} failed: {message}" for rank, message in sorted(posted.items())]
+        causes += [f"rank {rank} (pid {pid}) {_exit_description(code)}"
+                   for rank, pid, code in self._dead_processes() if rank not in posted]
+        if not causes:
+            causes = [f"rank 0 failed: {type(error).__name__}: {error}"]
+        if self.fault is None:
+            self.fault = (f"tensor-parallel engine ({self.world_size} ranks) stopped while {doing}: "
+                          + "; ".join(causes))
+        return self.fault
+
+    def _watch(self) -> None:
+        """Notices a rank that dies or posts an error, even while no step runs (the engine then refuses the
+        next step); aborts a collective stuck on a dead NCCL peer, and exits when even that does not help."""
+        def watch() -> None:
+            while not self._closing.wait(WATCH_PERIOD_S) and self.fault is None:
+                posted = self.groups.posted_errors() if self.launch.external else {}
+                if self._dead_processes() or posted:
+                    break
+            if self._closing.is_set() or self.fault is not None:
+                return
+            message = self._describe(RuntimeError("a rank stopped"), "running")
+            logger.error("%s", message)
+            if self.groups.backend != "gloo":  # gloo's collectives fail by themselves when a peer's socket closes
+                self.groups.abort()
+            deadline = time.monotonic() + STUCK_STEP_EXIT_S
+            while time.monotonic() < deadline:
+                if self._step_started is None or self._closing.wait(WATCH_PERIOD_S):
+                    return
+            print(f"kiln: {message}; a step is stuck in a collective, exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+
+        self._watcher = threading.Thread(target=watch, name="kiln-rank-watch", daemon=True)
+        self._watcher.start()
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} (its output above says why)"
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown()

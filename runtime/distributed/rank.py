@@ -1,0 +1,48 @@
+"""What every rank of a tensor-parallel engine does to start: pick its device, join the groups, load its
+weights with its collectives, and build its model runner (the KV-block count agreed over ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kiln.engine_format import Mapping
+
+from ..engine_loader import EngineInfo, RuntimeConfig, load_network
+from ..model_runner import ModelRunner, RunnerLimits
+from .comm import TorchTPComm
+from .group import RankGroups, backend_for
+from .launch import RankLaunch, rank_device
+
+logger = logging.getLogger("kiln.runtime")
+
+
+def rank_runtime(runtime: RuntimeConfig, launch: RankLaunch, engine_dir: object) -> RuntimeConfig:
+    """The runtime config with this rank's device. On the CPU, ranks on one host split its cores."""
+    device = rank_device(runtime.device, launch, engine_dir)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // launch.local_world_size))
+    return dataclasses.replace(runtime, device=device)
+
+
+def join(runtime: RuntimeConfig, launch: RankLaunch) -> RankGroups:
+    return RankGroups(launch, backend_for(runtime.device))
+
+
+def start_runner(info: EngineInfo, runtime: RuntimeConfig, groups: RankGroups,
+                 kv_cache_scales: Sequence[tuple[float, float]] | None) -> ModelRunner:
+    """This rank's network and runner; collective with the other ranks (they must call it too)."""
+    mapping: Mapping = info.config.mapping.for_rank(groups.rank)
+    comm = TorchTPComm(groups.device_group, mapping.tp_size, mapping.tp_rank)
+    model = load_network(info, runtime.device, groups.rank, comm=comm)
+    limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
+                          max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
+                          num_kv_blocks=runtime.num_kv_blocks,
+                          kv_cache_memory_fraction=runtime.kv_cache_memory_fraction, cuda_graphs=runtime.cuda_graphs)
+    return ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype, limits=limits,
+                       kv_cache_scales=kv_cache_scales, mapping=mapping, agree_num_blocks=groups.min_over_ranks)

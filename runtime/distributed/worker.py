@@ -1,0 +1,78 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: start like rank 0, then run each step rank 0 sends until it
+says stop. They sample nothing: rank 0 owns the scheduler, block manager and sampler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from ..engine_loader import RuntimeConfig, load_engine_info
+from .group import RankGroups
+from .launch import RankLaunch
+from .rank import join, rank_runtime, start_runner
+
+logger = logging.getLogger("kiln.runtime")
+
+# How often a worker checks that rank 0 is still there (a collective waiting on a dead NCCL peer never returns).
+LIVENESS_PERIOD_S = 1.0
+
+
+def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunch,
+               kv_cache_scales: Sequence[tuple[float, float]] | None) -> NoReturn:
+    """A worker rank's whole life: the process ends (exit 0) when rank 0 stops the engine, without the
+    interpreter's teardown, which would race the groups' native threads. Any failure is posted for rank 0
+    to report (naming this rank and the cause) and ends this process at once (exit 1): the collectives it
+    would leave waiting end with it."""
+    groups: RankGroups | None = None
+    try:
+        runtime = rank_runtime(runtime, launch, engine_dir)
+        groups = join(runtime, launch)
+        # Rank 0 has checked every file's checksum already.
+        info = load_engine_info(engine_dir, verify_checksums=False)
+        runner = start_runner(info, runtime, groups, kv_cache_scales)
+        _watch_rank0(groups)
+        while (step := groups.receive_step()) is not None:
+            runner.execute(step)
+    except BaseException as e:  # every failure ends the rank; what matters is that rank 0 hears why
+        _die(groups, launch.rank, e)
+    groups.destroy()
+    groups.say_stopped()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def worker_process_main(engine_dir: str, runtime: RuntimeConfig, launch: RankLaunch,
+                        kv_cache_scales: Sequence[tuple[float, float]] | None, log_level: int) -> None:
+    """A worker process that rank 0 started on this machine (`worker_main`)."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s rank{launch.rank} %(levelname)s %(message)s")
+    run_worker(engine_dir, runtime, launch, kv_cache_scales)
+
+
+def _die(groups: RankGroups | None, rank: int, error: BaseException) -> None:
+    message = f"{type(error).__name__}: {error}".strip()
+    if groups is None:  # failed before joining: no store to post to; the exit code and stderr say it
+        traceback.print_exception(error)
+    else:
+        groups.post_error(message)
+    logger.error("rank %d failed: %s", rank, message)
+    os._exit(1)
+
+
+def _watch_rank0(groups: RankGroups) -> None:
+    """Ends this process when rank 0 is gone (it hosts the store), even while a collective waits for it."""
+    def watch() -> None:
+        while groups.rank0_alive():
+            time.sleep(LIVENESS_PERIOD_S)
+        logger.error("rank %d: rank 0 is gone; exiting", groups.rank)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-rank0-watch", daemon=True).start()

@@ -130,6 +130,15 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    def release(self) -> None:
+        """Destroys the captured graphs. NCCL cannot tear down a communicator that a live graph captured a
+        collective of (its destroy waits for the graph: pytorch#115388), so a tensor-parallel rank releases
+        its graphs before it leaves its process groups."""
+        torch.cuda.synchronize(self._seq_lens.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
     def fits(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_batch_size
 

@@ -118,6 +118,13 @@ class ModelRunner:
                     self.graph_capture_seconds)
         return max(0, free_before - free_after)
 
+    def release_graphs(self) -> None:
+        """Destroys the CUDA graphs (decode steps run eagerly afterwards); a tensor-parallel rank does this
+        before leaving its process groups."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
         """Runs one step: a captured graph for a plain decode batch, else the packed batch eagerly."""

@@ -92,13 +92,20 @@ class TPExecutor:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             # Joined, not left running: a store call of a thread that outlives the interpreter aborts the process.
             self._watcher.join(5.0)
+        stopped = False
         if self.groups is not None and self.fault is None:
             try:
                 self.groups.send_step(None)
+                stopped = True
             except Exception as e:  # a rank is gone already; the others end when the group does
                 logger.debug("stopping the ranks: %s", e)
-            else:
-                # Leaving the groups while another rank still tears its own down can abort either process.
+        if self.groups is not None:
+            if stopped:
+                self.runner.release_graphs()
+            # Every rank leaves its groups at the same time (NCCL's teardown waits for the peers), and rank 0
+            # waits for the others to have left before its process may exit (its exit would abort theirs).
+            self.groups.destroy()
+            if stopped:
                 self.groups.wait_stopped(WORKER_STOP_TIMEOUT_S)
         for process in self._processes:
             try:
@@ -106,8 +113,6 @@ class TPExecutor:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if self.groups is not None:
-            self.groups.destroy()
 
     # ---- faults --------------------------------------------------------------------------------
     def _join(self, runtime: RuntimeConfig) -> RankGroups:

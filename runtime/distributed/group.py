@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 # Workers wait for rank 0's next step for as long as the server is idle: a dead peer ends the wait at once
 # (its sockets close), so this only bounds a peer that hangs.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+DESTROY_TIMEOUT_S = 10.0
 _ERROR_KEY = "kiln/error/rank{}"
 _STOPPED_KEY = "kiln/stopped/rank{}"
 
@@ -106,11 +108,20 @@ class RankGroups:
         except Exception as e:  # an abort that fails leaves the caller's last resort: exiting
             logger.warning("could not abort the process group: %s", e)
 
-    def destroy(self) -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # nothing to do about a group that cannot be torn down on the way out
-            logger.debug("destroy_process_group: %s", e)
+    def destroy(self, timeout: float = DESTROY_TIMEOUT_S) -> None:
+        """Leaves the groups; gives up after `timeout` seconds (a teardown that waits on a peer that is gone,
+        or on a CUDA graph that captured a collective and is still alive, must not hang the caller's exit)."""
+        def leave() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # nothing to do about a group that cannot be torn down on the way out
+                logger.debug("leaving the process groups: %s", e)
+
+        thread = threading.Thread(target=leave, name="kiln-leave-groups", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("rank %d: leaving the process groups did not finish in %.0fs; going on", self.rank, timeout)
 
 
 def backend_for(device: torch.device) -> str:

@@ -16,6 +16,10 @@ import torch
 
 from kiln.engine_format import EngineError
 
+# -P (Python 3.11+): the current directory does not go first on the worker's sys.path, so a checkout's
+# top-level kiln/ folder cannot shadow the installed package.
+_SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
@@ -96,7 +100,7 @@ def start_local_workers(args_of_rank, launch: RankLaunch) -> list[subprocess.Pop
     when rank 0 stops it or disappears (`worker.py` watches)."""
     processes = []
     for rank in range(1, launch.world_size):
-        process = subprocess.Popen([sys.executable, "-m", "kiln.runtime.distributed.worker_main"],
+        process = subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "kiln.runtime.distributed.worker_main"],
                                    stdin=subprocess.PIPE)
         with process.stdin:
             pickle.dump(args_of_rank(rank), process.stdin)

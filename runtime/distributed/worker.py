@@ -40,6 +40,7 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
         _watch_rank0(groups)
         while (step := groups.receive_step()) is not None:
             runner.execute(step)
+        runner.release_graphs()
     except BaseException as e:  # every failure ends the rank; what matters is that rank 0 hears why
         _die(groups, launch.rank, e)
     groups.destroy()

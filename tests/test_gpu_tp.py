@@ -46,3 +46,20 @@ def test_tp2_on_two_gpus_matches_tp1(tmp_path, architecture, dtype):
         assert [o.token_ids for o in tp2_logprobs] == [o.token_ids for o in tp1_logprobs]
         for a, b in zip(tp2_logprobs, tp1_logprobs):
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-3)
+
+
+def test_tp2_with_cuda_graphs_shuts_down_promptly_and_starts_again(tmp_path):
+    """NCCL cannot tear down a communicator while a CUDA graph that captured its collectives lives
+    (pytorch#115388): the ranks release their graphs first, so shutdown is quick and a second TP engine
+    can start in the same process."""
+    import time
+
+    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
+    engine = build_engine(checkpoint, tmp_path / "tp2", BuildConfig(device="cuda", tp_size=2, **LIMITS), progress=False)
+    for _ in range(2):
+        llm = LLM(engine, num_kv_blocks=64)
+        assert llm.engine.executor.runner.graphs is not None
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0))
+        start = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - start < 5

@@ -19,6 +19,8 @@ import time
 import weakref
 from collections.abc import Sequence
 
+import torch
+
 from kiln.engine_format import EngineError
 
 from ..engine_loader import EngineInfo, RuntimeConfig
@@ -49,6 +51,7 @@ class TPExecutor:
         self._watcher: threading.Thread | None = None
         self._step_started: float | None = None
         engine_dir = info.spec.engine_dir
+        self._threads = torch.get_num_threads()  # rank 0 shares this process: restored at shutdown
         own = rank_runtime(runtime, launch, engine_dir)  # refuses too few GPUs before starting anything
         if not launch.external:
             level = logging.getLogger("kiln").getEffectiveLevel()
@@ -107,6 +110,7 @@ class TPExecutor:
             self.groups.destroy()
             if stopped:
                 self.groups.wait_stopped(WORKER_STOP_TIMEOUT_S)
+        torch.set_num_threads(self._threads)
         for process in self._processes:
             try:
                 process.wait(WORKER_STOP_TIMEOUT_S)

@@ -25,6 +25,7 @@ from kiln.engine_format import EngineError
 
 from ..engine_loader import EngineInfo, RuntimeConfig
 from ..model_step import StepInput, StepResult
+from .channel import PipeSender
 from .group import RankGroups
 from .launch import RankLaunch, start_local_workers
 from .rank import join, rank_runtime, start_runner
@@ -47,6 +48,7 @@ class TPExecutor:
         self.fault: str | None = None  # why the engine cannot run any more, once a rank has failed
         self.groups: RankGroups | None = None
         self._processes = []
+        self._pipes: PipeSender | None = None
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self._step_started: float | None = None
@@ -57,6 +59,8 @@ class TPExecutor:
             level = logging.getLogger("kiln").getEffectiveLevel()
             self._processes = start_local_workers(
                 lambda r: (str(engine_dir), runtime, launch.for_rank(r), kv_cache_scales, level), launch)
+        # Steps go down the started workers' stdin pipes; to a launcher's ranks over gloo.
+        self._pipes = PipeSender([p.stdin for p in self._processes]) if self._processes else None
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
             self.groups = self._join(own)
@@ -80,7 +84,7 @@ class TPExecutor:
             raise EngineError(self.fault)
         self._step_started = time.monotonic()
         try:
-            self.groups.send_step(step)
+            self._send(step)
             return self.runner.execute(step)
         except Exception as e:
             raise EngineError(self._describe(e, "running a step")) from e
@@ -98,7 +102,7 @@ class TPExecutor:
         stopped = False
         if self.groups is not None and self.fault is None:
             try:
-                self.groups.send_step(None)
+                self._send(None)
                 stopped = True
             except Exception as e:  # a rank is gone already; the others end when the group does
                 logger.debug("stopping the ranks: %s", e)
@@ -111,12 +115,21 @@ class TPExecutor:
             if stopped:
                 self.groups.wait_stopped(WORKER_STOP_TIMEOUT_S)
         torch.set_num_threads(self._threads)
+        if self._pipes is not None:
+            self._pipes.close()
         for process in self._processes:
             try:
                 process.wait(WORKER_STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+    def _send(self, message: object) -> None:
+        """The next step (None: stop) to every other rank."""
+        if self._pipes is not None:
+            self._pipes.send(message)
+        else:
+            self.groups.send_step(message)
 
     # ---- faults --------------------------------------------------------------------------------
     def _join(self, runtime: RuntimeConfig) -> RankGroups:

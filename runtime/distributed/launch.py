@@ -5,7 +5,6 @@ MASTER_PORT and LOCAL_RANK), each process running the same command."""
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine_format import EngineError
+
+from .channel import PipeSender
 
 # -P (Python 3.11+): the current directory does not go first on the worker's sys.path, so a checkout's
 # top-level kiln/ folder cannot shadow the installed package.
@@ -94,15 +95,14 @@ def rank_device(device: torch.device, launch: RankLaunch, engine_dir: object) ->
 
 
 def start_local_workers(args_of_rank, launch: RankLaunch) -> list[subprocess.Popen]:
-    """Starts ranks 1..world_size-1 as fresh Python processes running `kiln.runtime.distributed.worker_main`
-    with `args_of_rank(rank)` (pickled on its stdin). Not multiprocessing: its spawn re-runs the caller's
-    main module, which a script without an `if __name__ == "__main__"` guard cannot survive. A worker ends
-    when rank 0 stops it or disappears (`worker.py` watches)."""
+    """Starts ranks 1..world_size-1 as fresh Python processes running `kiln.runtime.distributed.worker_main`,
+    whose stdin stays open as the step channel (`channel.py`); its first message is `args_of_rank(rank)`.
+    Not multiprocessing: its spawn re-runs the caller's main module, which a script without an
+    `if __name__ == "__main__"` guard cannot survive. A worker ends when rank 0 stops it or disappears."""
     processes = []
     for rank in range(1, launch.world_size):
         process = subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "kiln.runtime.distributed.worker_main"],
                                    stdin=subprocess.PIPE)
-        with process.stdin:
-            pickle.dump(args_of_rank(rank), process.stdin)
+        PipeSender([process.stdin]).send(args_of_rank(rank))
         processes.append(process)
     return processes

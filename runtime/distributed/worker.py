@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..engine_loader import RuntimeConfig, load_engine_info
+from .channel import PipeReceiver
 from .group import RankGroups
 from .launch import RankLaunch
 from .rank import join, rank_runtime, start_runner
@@ -25,11 +26,12 @@ LIVENESS_PERIOD_S = 1.0
 
 
 def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunch,
-               kv_cache_scales: Sequence[tuple[float, float]] | None) -> NoReturn:
+               kv_cache_scales: Sequence[tuple[float, float]] | None, steps: PipeReceiver | None = None) -> NoReturn:
     """A worker rank's whole life: the process ends (exit 0) when rank 0 stops the engine, without the
     interpreter's teardown, which would race the groups' native threads. Any failure is posted for rank 0
     to report (naming this rank and the cause) and ends this process at once (exit 1): the collectives it
-    would leave waiting end with it."""
+    would leave waiting end with it. `steps`: where rank 0's steps come from when it started this process
+    (its stdin); None under a launcher (they come over gloo)."""
     groups: RankGroups | None = None
     try:
         runtime = rank_runtime(runtime, launch, engine_dir)
@@ -38,7 +40,8 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
         info = load_engine_info(engine_dir, verify_checksums=False)
         runner = start_runner(info, runtime, groups, kv_cache_scales)
         _watch_rank0(groups)
-        while (step := groups.receive_step()) is not None:
+        receive = groups.receive_step if steps is None else steps.receive
+        while (step := receive()) is not None:
             runner.execute(step)
         runner.release_graphs()
     except BaseException as e:  # every failure ends the rank; what matters is that rank 0 hears why
@@ -52,10 +55,11 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
 
 
 def worker_process_main(engine_dir: str, runtime: RuntimeConfig, launch: RankLaunch,
-                        kv_cache_scales: Sequence[tuple[float, float]] | None, log_level: int) -> None:
+                        kv_cache_scales: Sequence[tuple[float, float]] | None, log_level: int, *,
+                        steps: PipeReceiver) -> None:
     """A worker process that rank 0 started on this machine (`worker_main`)."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{launch.rank} %(levelname)s %(message)s")
-    run_worker(engine_dir, runtime, launch, kv_cache_scales)
+    run_worker(engine_dir, runtime, launch, kv_cache_scales, steps)
 
 
 def _die(groups: RankGroups | None, rank: int, error: BaseException) -> None:

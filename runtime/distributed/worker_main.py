@@ -1,10 +1,12 @@
-"""`python -m kiln.runtime.distributed.worker_main`: a worker rank that rank 0 starts on this machine; its
-arguments (`worker.worker_process_main`'s) arrive pickled on stdin."""
+"""`python -m kiln.runtime.distributed.worker_main`: a worker rank that rank 0 starts on this machine. Its stdin
+is the step channel (`channel.PipeReceiver`): the first message is `worker.worker_process_main`'s arguments,
+then one per step."""
 
-import pickle
 import sys
 
+from kiln.runtime.distributed.channel import PipeReceiver
 from kiln.runtime.distributed.worker import worker_process_main
 
 if __name__ == "__main__":
-    worker_process_main(*pickle.load(sys.stdin.buffer))
+    steps = PipeReceiver(sys.stdin.buffer)
+    worker_process_main(*steps.receive(), steps=steps)

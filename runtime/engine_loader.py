@@ -75,11 +75,12 @@ class LoadedEngine(EngineInfo):
     model: CausalLM | None = None
 
 
-def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True) -> EngineInfo:
+def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True, tokenizer: bool = True) -> EngineInfo:
     """Reads and checks engine.json, the manifest and the tokenizer; raises EngineError saying what to do.
 
     With `verify_checksums` (the default) every file's sha256 is checked against the manifest, hashing
-    only files that changed since they last matched; False checks sizes only."""
+    only files that changed since they last matched; False checks sizes only. `tokenizer=False` skips
+    loading it (a tensor-parallel worker rank never detokenizes)."""
     _check_not_a_checkpoint(Path(engine_dir))
     spec = load_engine_spec(engine_dir, verify_checksums=verify_checksums)
     hint = f"rebuild the engine with `kiln build --checkpoint ... --output {spec.engine_dir}`"
@@ -89,8 +90,8 @@ def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True) -
         raise EngineError(f"{spec.engine_dir / ENGINE_JSON}: architecture: {e}; upgrade kiln or {hint}") from None
     model_config = _read_model_config(spec, hint)
     config = read_engine_config(spec)
-    tokenizer = None if spec.tokenizer_dir is None else _load_tokenizer(spec.tokenizer_dir, hint)
-    return EngineInfo(spec, model_def, model_config, config, tokenizer)
+    loaded = None if spec.tokenizer_dir is None or not tokenizer else _load_tokenizer(spec.tokenizer_dir, hint)
+    return EngineInfo(spec, model_def, model_config, config, loaded)
 
 
 def _check_not_a_checkpoint(engine_dir: Path) -> None:

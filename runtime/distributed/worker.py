@@ -36,8 +36,8 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
     try:
         runtime = rank_runtime(runtime, launch, engine_dir)
         groups = join(runtime, launch)
-        # Rank 0 has checked every file's checksum already.
-        info = load_engine_info(engine_dir, verify_checksums=False)
+        # Rank 0 has checked every file's checksum already, and only it detokenizes.
+        info = load_engine_info(engine_dir, verify_checksums=False, tokenizer=False)
         runner = start_runner(info, runtime, groups, kv_cache_scales)
         _watch_rank0(groups)
         receive = groups.receive_step if steps is None else steps.receive

@@ -116,3 +116,15 @@ def test_dead_rank_makes_serve_unready_then_exit_naming_it(engines):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_ranks_end_when_rank_0_is_killed(engines):
+    """SIGKILL leaves rank 0 no time to stop anyone: its ranks notice (closed step pipe, store gone) and exit."""
+    _, tp2 = engines
+    proc, _, worker = _serve(tp2)
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 15
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)

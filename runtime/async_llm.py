@@ -106,6 +106,10 @@ class AsyncLLM:
         """A snapshot; reads plain counters, safe from any thread."""
         return self.engine.kv_cache_stats()
 
+    def speculation_stats(self) -> dict | None:
+        """Speculative decoding's counters (None without it); plain counters, safe from any thread."""
+        return self.engine.speculation_stats()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts what is running and stops the engine thread."""
         if self._thread.is_alive():

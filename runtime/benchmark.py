@@ -1,7 +1,9 @@
 """Offline benchmarks over the Python API: `kiln bench latency` and `kiln bench throughput`.
 
 Prompts are random token ids (seeded), so any engine works, dummy weights included, and no two prompts share
-a prefix the cache could reuse. Generation ignores EOS, so every request produces exactly output_len tokens.
+a prefix the cache could reuse; or, with `prompt_text`, windows of a real text (what speculative decoding
+needs: random tokens give a proposer nothing to guess). Generation ignores EOS, so every request produces
+exactly output_len tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class BenchSpec:
     num_iters: int = 3
     warmup: int = 1
     seed: int = 0
+    prompt_text: str | None = None  # prompts are windows of this text's tokens instead of random tokens
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len", "num_requests", "num_iters"):
@@ -39,6 +42,24 @@ class BenchSpec:
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def text_prompts(token_ids: list[int], count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` windows of `length` tokens at seeded offsets in `token_ids` (a ValueError when it is shorter)."""
+    if len(token_ids) < length:
+        raise ValueError(f"the prompt text has {len(token_ids)} tokens, fewer than --input-len {length}")
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(token_ids) - length + 1) for _ in range(count)]
+    return [token_ids[s:s + length] for s in starts]
+
+
+def make_prompts(llm: LLM, spec: BenchSpec, count: int, seed: int) -> list[list[int]]:
+    """The benchmark's prompts: random tokens, or windows of `spec.prompt_text`."""
+    if spec.prompt_text is None:
+        return random_prompts(count, spec.input_len, llm.engine.model_config.vocab_size, seed)
+    if llm.tokenizer is None:
+        raise ValueError("this engine has no tokenizer: a prompt file needs one")
+    return text_prompts(list(llm.tokenizer.encode(spec.prompt_text)), count, spec.input_len, seed)
 
 
 def _params(spec: BenchSpec, output_len: int | None = None) -> SamplingParams:
@@ -57,20 +78,24 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_latency(llm: LLM, spec: BenchSpec) -> dict:
     """Batch 1: time to first token, decode tokens/s (tokens after the first over the time after it) and
-    inter-token latency p50/p99 over all timed iterations."""
-    vocab = llm.engine.model_config.vocab_size
-    prompts = random_prompts(spec.warmup + spec.num_iters, spec.input_len, vocab, spec.seed)
+    inter-token latency p50/p99 over all timed iterations. An update that brings several tokens (accepted
+    drafts) counts its gap once per token."""
+    prompts = make_prompts(llm, spec, spec.warmup + spec.num_iters, spec.seed)
     ttfts, decode_rates, itls, totals = [], [], [], []
     for i, prompt in enumerate(prompts):
         start = time.perf_counter()
-        stamps = [time.perf_counter() for _ in llm.stream(prompt, _params(spec))]
+        stamps: list[tuple[float, int]] = []  # (time, tokens so far) at each update that added tokens
+        for out in llm.stream(prompt, _params(spec)):
+            if not stamps or len(out.token_ids) > stamps[-1][1]:
+                stamps.append((time.perf_counter(), len(out.token_ids)))
         if i < spec.warmup:
             continue
-        ttfts.append(stamps[0] - start)
-        totals.append(stamps[-1] - start)
-        itls.extend(b - a for a, b in zip(stamps, stamps[1:]))
+        ttfts.append(stamps[0][0] - start)
+        totals.append(stamps[-1][0] - start)
+        for (t0, n0), (t1, n1) in zip(stamps, stamps[1:]):
+            itls.extend([(t1 - t0) / (n1 - n0)] * (n1 - n0))
         if len(stamps) > 1:
-            decode_rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+            decode_rates.append((stamps[-1][1] - stamps[0][1]) / (stamps[-1][0] - stamps[0][0]))
     return {
         "ttft_ms": 1000 * statistics.median(ttfts),
         "decode_tokens_per_s": statistics.median(decode_rates) if decode_rates else float("nan"),
@@ -82,11 +107,10 @@ def run_latency(llm: LLM, spec: BenchSpec) -> dict:
 
 def run_throughput(llm: LLM, spec: BenchSpec) -> dict:
     """`num_requests` requests at once through in-flight batching; output and total tokens per second."""
-    vocab = llm.engine.model_config.vocab_size
     if spec.warmup:  # compiles the kernels for prefill, mixed and decode steps before the clock starts
         batch = min(spec.num_requests, llm.engine.runtime.max_batch_size)
-        llm.generate(random_prompts(batch, spec.input_len, vocab, spec.seed + 1), _params(spec, 4))
-    prompts = random_prompts(spec.num_requests, spec.input_len, vocab, spec.seed)
+        llm.generate(make_prompts(llm, spec, batch, spec.seed + 1), _params(spec, 4))
+    prompts = make_prompts(llm, spec, spec.num_requests, spec.seed)
     start = time.perf_counter()
     outputs = llm.generate(prompts, _params(spec))
     elapsed = time.perf_counter() - start

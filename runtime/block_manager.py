@@ -7,7 +7,7 @@ reuses it instead of recomputing. When a request ends, its blocks return to a fr
 contents and hash until the block is handed out again (least recently freed first), so cached prefixes
 survive as long as memory allows.
 
-Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `free`.
+Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `trim`, `free`.
 """
 
 from __future__ import annotations
@@ -150,6 +150,21 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Gives back the request's blocks past the first `num_tokens` tokens (slots of rejected drafts).
+        They hold no accepted token, so no hash: they go to the front of the free queue, to be reused before
+        any block that still caches a prefix."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            block = self._blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block that no request uses."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,16 +21,17 @@ from .model_step import StepInput
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobTarget
 from .request import Request, RequestStatus
+from .request_checks import Prompt, check_fits, tokenize_prompt
 from .sampler import DeviceSample, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from .speculative.speculator import verification_rows
 from .token_mask import TokenMasker
 from .tracked_request import TrackedRequest
 
 if TYPE_CHECKING:
     from .guided_masker import GuidedMasker
-
-Prompt = str | Sequence[int]
+    from .speculative.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,11 @@ class _Launched:
 
 
 class LLMEngine:
-    """Schedules, samples and detokenizes; the network runs behind `executor` (built by engine_factory)."""
+    """Schedules, samples and detokenizes; the network runs behind `executor` (built by engine_factory).
+    `speculator`: drafts tokens for decoding requests, verified in the next step (speculative decoding)."""
 
-    def __init__(self, info: EngineInfo, runtime: RuntimeConfig, executor: Executor) -> None:
+    def __init__(self, info: EngineInfo, runtime: RuntimeConfig, executor: Executor,
+                 speculator: Speculator | None = None) -> None:
         self.info = info
         self.model_config = info.model_config
         self.tokenizer = info.tokenizer
@@ -57,6 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens),
                                    self.block_manager)
         self.sampler = Sampler()
+        self.speculator = speculator
         # The sampler's token-mask stage (guided decoding sets it); None: every token may be sampled.
         self.token_masker: TokenMasker | None = None
         # The GuidedMasker, made on the first constrained request (it needs xgrammar). The lock: AsyncLLM
@@ -89,43 +92,20 @@ class LLMEngine:
         return self.executor.fault
 
     def shutdown(self) -> None:
-        """Releases the executor (stops a tensor-parallel engine's other ranks); the engine is unusable after."""
+        """Releases the executor (stops a tensor-parallel engine's other ranks) and a draft model; the engine
+        is unusable after."""
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Turns a prompt into token ids and checks them; raises ValueError naming the problem."""
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (none was in the checkpoint): pass token ids")
-            token_ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, Sequence):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab})")
-        return token_ids
+        return tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.runtime.max_seq_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_seq_len {self.runtime.max_seq_len}"
-            )
-        blocks = self.block_manager.blocks_needed(total)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}; lower max_tokens or give the cache more blocks"
-            )
+        """Raises ValueError when a request could never run: longer than max_seq_len or than the KV cache."""
+        check_fits(num_prompt_tokens, params, self.runtime.max_seq_len, self.block_manager)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -192,6 +172,8 @@ class LLMEngine:
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             self._complete(inflight)
+        if self.speculator is not None:  # drafts for the decoding requests, verified by the step scheduled next
+            self.speculator.propose(self.scheduler.running, lambda rid: self._tracked[rid].sampling_row())
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_ids)
         if not scheduled.is_empty:
@@ -210,19 +192,24 @@ class LLMEngine:
             tracked.prompt_logprobs[first + 1:first + 1 + len(values)] = values
             if tops is not None:
                 tracked.prompt_top_logprobs[first + 1:first + 1 + len(tops)] = tops
-        if result.logits_offsets[-1] == len(result.request_ids) == len(result.logits_offsets) - 1:
+        offsets = result.logits_offsets
+        if offsets[-1] == len(result.request_ids) and all(offsets[i] == i for i in range(len(offsets))):
             row_ids = list(result.request_ids)  # one row each: a decode batch, the common case
-        else:
+            rows = [self._tracked[rid].sampling_row() for rid in row_ids]
+        else:  # several rows of a request: verified drafts, seen by each row as accepted so far
             row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
+            rows = verification_rows(scheduled.requests, offsets, lambda rid: self._tracked[rid].sampling_row())
         sample = None
         if row_ids:
-            rows = [self._tracked[rid].sampling_row() for rid in row_ids]
             vocab_size, device = result.logits.shape[1], result.logits.device
             mask = None
             if self.token_masker is not None:
                 mask = self.token_masker.token_mask(row_ids, rows, vocab_size, device)
             mask = apply_min_tokens(mask, rows, self.eos_token_ids, vocab_size, device)
-            sample = self.sampler.sample(result.logits, rows, mask)
+            drafts = None
+            if self.speculator is not None:
+                drafts = self.speculator.draft_rows(scheduled.requests, offsets, vocab_size, device)
+            sample = self.sampler.sample(result.logits, rows, mask, drafts)
         return _Launched(scheduled, result.request_ids, result.logits_offsets, sample)
 
     def _complete(self, launched: _Launched) -> None:
@@ -242,16 +229,20 @@ class LLMEngine:
             request = tracked.request
             params = request.sampling_params
             num_output, num_tokens = len(request.output_token_ids), request.num_tokens
-            # One token per sampled row today; a draft verifier will accept a prefix of them here.
+            # One token per sampled row; with drafts, the tokens up to the first that differs from its draft.
+            drafts = launched.schedule.requests[i].draft_token_ids
+            row_tokens = out.token_ids[first_row:end_row]
+            if drafts and self.speculator is not None:
+                self.speculator.record(drafts, row_tokens)
             status, last_adds_text, kept = None, True, end_row - first_row
-            for n, token in enumerate(out.token_ids[first_row:end_row], start=1):
+            for n, token in enumerate(row_tokens, start=1):
                 # EOS and stop token ids end the request without adding their text (after min_tokens).
                 if ((token in eos and not params.ignore_eos) or token in params.stop_token_ids) \
                         and num_output + n > params.min_tokens:
                     status, last_adds_text = RequestStatus.FINISHED_STOPPED, False
                 elif num_output + n >= params.max_tokens or num_tokens + n >= max_seq_len:
                     status = RequestStatus.FINISHED_LENGTH
-                if status is not None:
+                if status is not None or (n <= len(drafts) and token != drafts[n - 1]):
                     kept = n
                     break
             tokens = accepted[request_id] = out.token_ids[first_row:first_row + kept]
@@ -297,6 +288,8 @@ class LLMEngine:
     def _release(self, request_id: str) -> None:
         if self.token_masker is not None:
             self.token_masker.release(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
     # ---- introspection -------------------------------------------------------------------------
     def kv_cache_stats(self) -> dict[str, int]:
@@ -312,3 +305,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.num_preemptions,
         }
+
+    def speculation_stats(self) -> dict | None:
+        """Speculative decoding's counters and rates (`SpeculationStats.as_dict`); None without speculation."""
+        return None if self.speculator is None else self.speculator.stats.as_dict()

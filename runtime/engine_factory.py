@@ -23,6 +23,8 @@ from .engine_loader import (
     resolve_runtime,
 )
 from .executor import Executor, LocalExecutor
+from .speculative import SpeculativeConfig, speculative_config_of
+from .speculative.speculator import make_speculator
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -66,14 +68,25 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig) -> Executor:
     return TPExecutor(info, runtime, scales, launch)
 
 
-def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True, **runtime_options) -> LLMEngine:
+def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
+                  speculative_config: SpeculativeConfig | dict | None = None, **runtime_options) -> LLMEngine:
     """Loads an engine directory and assembles its engine core. `runtime_options` are those of
-    `engine_loader.resolve_runtime` (device, lower limits, KV-cache size, CUDA graphs); every failure is an
-    EngineError or ValueError naming what to change."""
+    `engine_loader.resolve_runtime` (device, lower limits, KV-cache size, CUDA graphs); `speculative_config`: the
+    proposer (a draft engine, loaded on the same device, or n-gram lookup) for speculative decoding. Every
+    failure is an EngineError or ValueError naming what to change."""
     start = time.perf_counter()
+    speculative = speculative_config_of(speculative_config)
     info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
     runtime = resolve_runtime(info, **runtime_options)
-    engine = LLMEngine(info, runtime, create_executor(info, runtime))
+    executor = create_executor(info, runtime)
+    speculator = None
+    if speculative is not None:
+        try:
+            speculator = make_speculator(speculative, info, runtime, verify_checksums=verify_checksums)
+        except BaseException:
+            executor.shutdown()
+            raise
+    engine = LLMEngine(info, runtime, executor, speculator)
     logger.info("engine %s (%s, %s, %s) ready in %.2fs", info.spec.engine_dir, info.spec.architecture,
                 info.config.build.dtype, runtime.device, time.perf_counter() - start)
     return engine

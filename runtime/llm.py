@@ -11,6 +11,7 @@ from .engine import Prompt
 from .engine_factory import create_engine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .speculative import SpeculativeConfig
 
 
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -45,18 +46,24 @@ class LLM:
     Every engine file's size and sha256 are checked against engine.json's manifest; a file's hash is
     computed once per file version and then trusted through a stamp kept outside the engine (see
     `kiln.engine_format.stamps`). `verify_checksums=False` checks sizes only.
+
+    `speculative_config` turns on speculative decoding: a `SpeculativeConfig`, or its fields as a dict (vLLM's
+    form), e.g. `{"method": "draft_model", "model": DRAFT_ENGINE_DIR, "num_speculative_tokens": 4}` or
+    `{"method": "ngram", "num_speculative_tokens": 4, "ngram_max": 4}`; `speculation_stats()` reports acceptance.
     """
 
     def __init__(self, engine_dir: str | Path, *, device: str | torch.device | None = None,
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True,
+                 speculative_config: SpeculativeConfig | dict | None = None) -> None:
         self.engine = create_engine(engine_dir, device=device, max_batch_size=max_batch_size,
                                     max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
                                     enable_prefix_caching=enable_prefix_caching,
                                     kv_cache_memory_fraction=kv_cache_memory_fraction, cuda_graphs=cuda_graphs,
-                                    verify_checksums=verify_checksums)
+                                    verify_checksums=verify_checksums,
+                                    speculative_config=speculative_config)
         self._aborted: list[RequestOutput] = []  # final outputs of abort() calls, for stream() to yield
         self._streamed: set[str] = set()  # requests some stream() is iterating over
 
@@ -130,6 +137,10 @@ class LLM:
     def kv_cache_stats(self) -> dict[str, int]:
         """{"total_blocks", "free_blocks", ...}: free_blocks counts cached blocks no request uses."""
         return self.engine.kv_cache_stats()
+
+    def speculation_stats(self) -> dict | None:
+        """Speculative decoding's acceptance counters and rates (None when the engine does not speculate)."""
+        return self.engine.speculation_stats()
 
     def shutdown(self) -> None:
         """Releases the engine now rather than at exit (a tensor-parallel engine's other ranks stop)."""

@@ -35,6 +35,9 @@ class Request:
     num_preemptions: int = 0
     # Tokens of the prompt found in the prefix cache when the request was first scheduled.
     num_cached_prompt_tokens: int = 0
+    # Tokens a proposer guessed to follow (speculative decoding): the next step computes them after the last
+    # token and samples every position, and only the prefix the target agrees with is kept.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 
 from .host_tensors import to_device
 from .sampling_params import SamplingParams
+from .speculative.rejection import CheckedDrafts, DraftRows, rejection_rule
 
 
 @dataclass
@@ -80,13 +81,19 @@ class Sampler:
         return self.sample(logits, rows, token_mask).to_host()
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-               token_mask: torch.Tensor | None = None) -> DeviceSample:
+               token_mask: torch.Tensor | None = None, drafts: DraftRows | None = None) -> DeviceSample:
         """Queues the sampling of every row on the logits' device; nothing waits for the GPU.
 
         token_mask: [B, V] bool on the logits' device, True where a row may pick the token (V is the
         model's vocabulary, the logits' width). Every choice respects it, the fallback for a row whose
         distribution is empty included; each row must allow at least one token. Logprobs stay those of
         the model's own distribution.
+
+        drafts: the draft tokens being verified (speculative decoding). A sampled (non-greedy) row whose
+        draft came with the distribution q it was drawn from takes the rejection rule: the draft with
+        probability min(1, p/q), else a draw from the normalized residual max(p - q, 0). Every other row
+        draws from p as usual, which for a certain draft (q one-hot) is the same rule: the draw equals the
+        draft with probability p(draft), and otherwise follows p without it, i.e. the residual.
         """
         # logits: [B, V] float32, raw model logits, one row per entry of `rows`
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -104,7 +111,9 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             index = to_device(random_rows, torch.int64, raw.device)  # [R]
-            sampled = _sample(processed[index], fallback[index], [rows[i] for i in random_rows])
+            probs = processed_probs(processed[index], fallback[index], [rows[i] for i in random_rows])
+            checked = None if drafts is None else drafts.for_rows(random_rows)
+            sampled = _draw(probs, [rows[i] for i in random_rows], checked)
             tokens = tokens.index_copy(0, index, sampled)
         logprobs = top = None
         counts = tuple(row.params.top_logprobs for row in rows)
@@ -116,6 +125,24 @@ class Sampler:
                 top = log_probs.topk(max(counts), dim=-1)  # ([B, k], [B, k])
                 top = (top.values, top.indices)
         return DeviceSample(tokens, logprobs, top, counts)
+
+    def draw_with_probs(self, logits: torch.Tensor,
+                        rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a proposer that samples needs: each row's token, drawn as `sample` draws it (penalties, then
+        argmax for greedy rows, the processed distribution for the others), and the distributions q they were
+        drawn from, [R, V] float32 (one-hot for greedy rows), or None when every row is greedy.
+        logits: [R, V] float32. Returns ([R] int64 tokens, q)."""
+        raw = logits.float()
+        processed = apply_penalties(raw, rows)
+        tokens = processed.argmax(dim=-1)  # [R] int64
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random_rows:
+            return tokens, None
+        index = to_device(random_rows, torch.int64, raw.device)  # [N]
+        probs = processed_probs(processed[index], raw[index], [rows[i] for i in random_rows])  # [N, V]
+        tokens = tokens.index_copy(0, index, _draw(probs, [rows[i] for i in random_rows]))
+        q = torch.zeros_like(raw).scatter_(1, tokens[:, None], 1.0).index_copy_(0, index, probs)  # [R, V]
+        return tokens, q
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -166,11 +193,12 @@ def _token_counts(token_lists: list[Sequence[int]], vocab_size: int, device: tor
     return counts[:, :vocab_size]
 
 
-def _sample(logits: torch.Tensor, fallback: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, top_k, top_p, min_p, then one exponential-race draw per row.
+def processed_probs(logits: torch.Tensor, fallback: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution each row draws from: temperature, top_k, top_p, min_p over `logits`.
 
     logits: [R, V] float32 after penalties (and the token mask); fallback: [R, V] float32 raw logits, masked
-    like `logits` (whose argmax a row with an empty or NaN distribution takes). Returns [R] int64 token ids.
+    like `logits`: a row whose distribution is empty (or NaN) is one-hot at its argmax. Returns [R, V]
+    float32, not normalized when min_p dropped tokens (every use is scale-free or normalizes itself).
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -205,11 +233,36 @@ def _sample(logits: torch.Tensor, fallback: torch.Tensor, rows: Sequence[Samplin
         # The exponential race needs no renormalisation after dropping tokens.
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     probs = torch.nan_to_num(probs, nan=0.0)
-    q = _exponential_noise(rows, num_rows, vocab_size, device)  # [R, V]
+    empty = ~(probs.sum(dim=-1, keepdim=True) > 0)  # [R, 1] bool: all zero (or NaN before nan_to_num)
+    one_hot = torch.zeros_like(probs).scatter_(1, fallback.argmax(dim=-1, keepdim=True), 1.0)  # [R, V]
+    return torch.where(empty, one_hot, probs)
+
+
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], drafts: CheckedDrafts | None = None) -> torch.Tensor:
+    """One exponential-race draw per row of `probs` ([R, V] float32, processed_probs'); rows with a draft
+    and its q take the rejection rule instead (see Sampler.sample). Returns [R] int64 token ids."""
+    num_rows, vocab_size = probs.shape
+    q = _exponential_noise(rows, num_rows, vocab_size, probs.device)  # [R, V]
+    accept = None
+    if drafts is not None:
+        uniforms = _uniforms([rows[i] for i in drafts.rows], probs.device)  # [N]
+        accept, residual = rejection_rule(probs[drafts.index], drafts.probs, drafts.token_ids, uniforms)
+        probs = probs.index_copy(0, drafts.index, residual)
     # argmax(p / q) with q ~ Exp(1) picks token i with probability p_i / sum(p).
     tokens = (probs / q).argmax(dim=-1)  # [R] int64
-    empty = ~(probs.sum(dim=-1) > 0)  # [R] bool: all zero (or NaN before nan_to_num)
-    return torch.where(empty, fallback.argmax(dim=-1), tokens)
+    if accept is not None:
+        chosen = torch.where(accept, drafts.token_ids, tokens[drafts.index])  # [N]
+        tokens = tokens.index_copy(0, drafts.index, chosen)
+    return tokens
+
+
+def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+    """U[0, 1) per row, [N] float32, from each row's generator where it has one (drawn after its noise)."""
+    u = torch.rand(len(rows), device=device)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            u[i] = torch.rand((), device=device, generator=row.generator)
+    return u
 
 
 def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int,

@@ -32,6 +32,9 @@ class SamplingParams:
     `skip_special_tokens=False` keeps special tokens' text in the output text. `guided_decoding`
     constrains the output to a JSON schema, any JSON object, a regex, an EBNF grammar or a list of choices
     (`GuidedDecoding`; needs xgrammar); EOS then ends the request only where the constraint allows it.
+    `num_speculative_tokens`: on an engine that speculates, at most this many draft tokens per step for this
+    request (None: the engine's K; 0: none). Speculation never changes what is sampled: greedy output is the
+    same token for token, sampled output follows the same distribution.
     """
 
     max_tokens: int = 16
@@ -53,6 +56,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecoding | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
@@ -98,6 +102,10 @@ class SamplingParams:
                  self.prompt_top_logprobs, "needs prompt_logprobs=True")
         _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecoding),
                  "guided_decoding", self.guided_decoding, "must be None or a GuidedDecoding")
+        _require(self.num_speculative_tokens is None
+                 or (_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0),
+                 "num_speculative_tokens", self.num_speculative_tokens,
+                 "must be None (the engine's) or an integer >= 0 (0: not speculated)")
 
     @property
     def greedy(self) -> bool:

@@ -47,6 +47,12 @@ class ScheduledRequest:
     def sample(self) -> bool:
         return self.num_sampled > 0
 
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        """The drafts this step verifies: the tokens after the first sampled position (sampled position j
+        decides on draft j; the last one's token is the target's own)."""
+        return self.token_ids[len(self.token_ids) - self.num_sampled + 1:] if self.num_sampled > 1 else ()
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -107,7 +113,9 @@ class Scheduler:
                 continue
             if budget == 0 or len(scheduled) == self.limits.max_batch_size:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A decoding request's drafts (speculative decoding) are computed with its last token; the budget
+            # may cut them short.
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids), budget)
             while not self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -146,14 +154,18 @@ class Scheduler:
         )
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        known_end = min(end, request.num_tokens)
+        tokens = request.token_slice(start, known_end)
+        if end > known_end:
+            tokens = tokens + request.draft_token_ids[:end - known_end]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_slice(start, start + num_new)),
+            token_ids=tuple(tokens),
             start_position=start,
             block_ids=self.blocks.block_table(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens,
-            num_sampled=1 if start + num_new == request.num_tokens else 0,
+            num_sampled=end - request.num_tokens + 1 if end >= request.num_tokens else 0,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -161,6 +173,7 @@ class Scheduler:
         self.blocks.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -181,6 +194,9 @@ class Scheduler:
             before = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids) - rejected
             request.output_token_ids.extend(tokens)
+            if item.num_sampled > 1:  # verified drafts: the rejected ones' slots go back
+                request.draft_token_ids = []
+                self.blocks.trim(item.request_id, request.num_tokens)
             if request.num_computed_tokens // self.blocks.block_size > before // self.blocks.block_size:
                 self.blocks.cache_full_blocks(request.request_id, request.all_token_ids,
                                               request.num_computed_tokens)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.runtime.speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -45,6 +47,7 @@ class ServeConfig:
     kv_cache_memory_fraction: float = 0.9
     cuda_graphs: bool = True
     verify_checksums: bool = True  # sha256 of the engine files against the manifest (stamped: once per file)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (a draft engine or n-gram lookup)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "metrics_port"):

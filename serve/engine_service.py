@@ -48,7 +48,7 @@ class EngineService:
         self.model_name = model_name
         # Requests admitted but not yet running in the engine, at most (None: no limit).
         self.max_queued_requests = max_queued_requests
-        self.metrics = ServeMetrics(llm.kv_cache_stats)
+        self.metrics = ServeMetrics(llm.kv_cache_stats, llm.speculation_stats)
         self.accepting = True
         self._ids = itertools.count()
         self._inflight: set[str] = set()

@@ -22,7 +22,8 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.
 class ServeMetrics:
     """The server's metrics, in a registry of their own (several servers may live in one process)."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int]],
+                 speculation_stats: Callable[[], dict | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kiln_requests", "Requests by outcome (stop, length, abort, rejected, overloaded, error)",
@@ -39,7 +40,7 @@ class ServeMetrics:
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e_latency = Histogram("kiln_e2e_request_latency_seconds", "From arrival to the last token",
                                      buckets=_E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine_stats))
+        r.register(_EngineCollector(engine_stats, speculation_stats))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -49,8 +50,9 @@ class ServeMetrics:
 class _EngineCollector:
     """Gauges read from the engine's counters when scraped."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int]], speculation_stats: Callable[[], dict | None]) -> None:
         self._stats = engine_stats
+        self._speculation = speculation_stats
 
     def describe(self):
         return []
@@ -75,3 +77,17 @@ class _EngineCollector:
                                 value=hit / queried if queried else 0.0)
         yield CounterMetricFamily("kiln_num_preemptions", "Requests preempted (and recomputed later)",
                                   value=s["num_preemptions"])
+        spec = self._speculation()
+        if spec is not None:  # vLLM's spec_decode counters; rates are ratios of them
+            yield CounterMetricFamily("kiln_spec_decode_num_drafts", "Verify steps of a request with drafts",
+                                      value=spec["num_drafts"])
+            yield CounterMetricFamily("kiln_spec_decode_num_draft_tokens", "Draft tokens proposed and verified",
+                                      value=spec["num_draft_tokens"])
+            yield CounterMetricFamily("kiln_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                      value=spec["num_accepted_tokens"])
+            per_position = CounterMetricFamily("kiln_spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted at each draft position (0-based)",
+                                               labels=["position"])
+            for position, count in enumerate(spec["accepted_per_position"]):
+                per_position.add_metric([str(position)], count)
+            yield per_position

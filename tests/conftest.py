@@ -30,6 +30,15 @@ def tiny_code_engine(tmp_path_factory):
     return build_tiny_code_engine(tmp_path_factory.mktemp("tiny-code") / "engine")
 
 
+@pytest.fixture(scope="session")
+def tiny_code_draft_engine(tmp_path_factory):
+    """The bundled draft of kiln-tiny-code (same tokenizer), built like tiny_code_engine."""
+    from serve_util import EXAMPLES, build_tiny_code_engine
+
+    return build_tiny_code_engine(tmp_path_factory.mktemp("tiny-code-draft") / "engine",
+                                  EXAMPLES / "kiln-tiny-code-draft")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_code_engine):
     """A `kiln serve` server over tiny_code_engine on free ports, one per test module (tests/serve_util.py)."""

@@ -18,13 +18,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def build_tiny_code_engine(directory: Path) -> Path:
-    """kiln-tiny-code built in float32 (exact comparisons on the CPU); greedy outputs are deterministic."""
+def build_tiny_code_engine(directory: Path, checkpoint: Path = EXAMPLES / "kiln-tiny-code") -> Path:
+    """kiln-tiny-code (or another bundled checkpoint) built in float32 (exact comparisons on the CPU); greedy
+    outputs are deterministic."""
     from kiln.builder.build import build_engine
     from kiln.builder.build_config import BuildConfig
 
-    return build_engine(EXAMPLES / "kiln-tiny-code", directory, BuildConfig(dtype="float32", max_batch_size=16,
-                                                                           max_num_tokens=512), progress=False)
+    return build_engine(checkpoint, directory, BuildConfig(dtype="float32", max_batch_size=16, max_num_tokens=512),
+                        progress=False)
 
 
 class ServerThread:

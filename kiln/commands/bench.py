@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
         q.add_argument("--output-len", type=int, default=128, help="generated tokens (default: 128)")
         q.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+        q.add_argument("--prompt-file", default=None, metavar="FILE",
+                       help="prompts are --input-len-token windows of this text (default: random tokens); "
+                            "speculative decoding needs real text to guess from")
         q.add_argument("--output", default=None, help="also write the results as JSON to this file")
         add_runtime_args(q)
     lat.add_argument("--num-iters", type=int, default=3, help="timed runs (default: 3)")
@@ -85,9 +88,12 @@ def run_offline(args: argparse.Namespace) -> int:
     from kiln.runtime import LLM
     from kiln.runtime.benchmark import BenchSpec, format_table, run_latency, run_throughput
 
+    from .text_file import read_text_arg
+
     spec = BenchSpec(input_len=args.input_len, output_len=args.output_len,
                      num_requests=getattr(args, "num_requests", 1), num_iters=args.num_iters, warmup=args.warmup,
-                     seed=args.seed)
+                     seed=args.seed,
+                     prompt_text=read_text_arg(args.prompt_file, "--prompt-file") if args.prompt_file else None)
     start = time.perf_counter()
     llm = LLM(args.engine, **runtime_kwargs(args))
     startup = time.perf_counter() - start
@@ -101,6 +107,7 @@ def run_offline(args: argparse.Namespace) -> int:
         "max_num_tokens": runtime.max_num_tokens, "num_kv_blocks": runtime.num_kv_blocks,
         "startup_s": startup, "graph_capture_s": engine.graph_capture_seconds,
         "memory": dataclasses.asdict(engine.memory_report), **results,
+        "speculation": llm.speculation_stats(),
     }
     rows = [("benchmark", f"{args.bench_kind} on {summary['device']} ({summary['dtype']})"),
             ("input / output tokens", f"{spec.input_len} / {spec.output_len}"),
@@ -116,6 +123,13 @@ def run_offline(args: argparse.Namespace) -> int:
                  ("output tokens/s", f"{results['output_tokens_per_s']:.1f}"),
                  ("total tokens/s", f"{results['total_tokens_per_s']:.1f}"),
                  ("requests/s", f"{results['requests_per_s']:.2f}")]
+    spec_stats = summary["speculation"]
+    if spec_stats is not None:
+        config = engine.speculator.config
+        per_position = " ".join(f"{a:.2f}" for a in spec_stats["acceptance_per_position"])
+        rows += [("speculative decoding", f"{config.method}, K = {config.num_speculative_tokens}"),
+                 ("mean accepted length", f"{spec_stats['mean_accepted_length']:.2f}"),
+                 ("acceptance rate", f"{spec_stats['acceptance_rate']:.3f} (per position: {per_position})")]
     print(format_table(rows))
     if args.output:
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")

@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     done = time.perf_counter()
     n = len(out.token_ids) if out else 0
+    spec = llm.speculation_stats()
+    speculation = "" if not spec else (f"; speculative: mean accepted length {spec['mean_accepted_length']:.2f}, "
+                                       f"acceptance {spec['acceptance_rate']:.0%}")
     print(f"[{n} tokens, finish_reason={out.finish_reason if out else None}; load {loaded - start:.2f}s, "
-          f"generate {done - loaded:.2f}s, {n / max(done - loaded, 1e-9):.1f} tok/s]", file=sys.stderr)
+          f"generate {done - loaded:.2f}s, {n / max(done - loaded, 1e-9):.1f} tok/s{speculation}]", file=sys.stderr)
     return 0

@@ -1,0 +1,93 @@
+"""How an engine speculates: the typed, frozen runtime option (TensorRT-LLM's and vLLM's words).
+
+`SpeculativeConfig(method="draft_model", model=DIR, num_speculative_tokens=K)` runs a second kiln engine
+(same vocabulary) as the proposer; `method="ngram"` copies the tokens that followed the last occurrence of
+the request's last n tokens (prompt lookup, no model). Errors name the command-line flag of each field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("draft_model", "ngram")
+MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + K positions per request; more is never worth it
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`num_speculative_tokens`: K, the tokens proposed per request per step (a request may ask for fewer,
+    `SamplingParams.num_speculative_tokens`). `model`: the draft engine directory (method "draft_model").
+    `ngram_min` .. `ngram_max`: the lengths of the suffix looked up (method "ngram"; the longest match wins)."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-mode {self.method!r} is not one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not _positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens {k!r} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("--speculative-mode draft_model needs --speculative-model DIR (a kiln engine)")
+            object.__setattr__(self, "model", str(Path(self.model)))
+        elif self.model is not None:
+            raise ValueError(f"--speculative-model {self.model} is a draft engine, but --speculative-mode is "
+                             f"{self.method!r}: leave one of them out")
+        for flag, value in (("--ngram-min", self.ngram_min), ("--ngram-max", self.ngram_max)):
+            if not _positive_int(value):
+                raise ValueError(f"{flag} {value!r} must be a positive integer")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"--ngram-min {self.ngram_min} exceeds --ngram-max {self.ngram_max}")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> SpeculativeConfig:
+        """vLLM's `speculative_config` dict: method, model, num_speculative_tokens, ngram_min / ngram_max
+        (vLLM's prompt_lookup_min / prompt_lookup_max are read too); a ValueError names an unknown key."""
+        fields = dict(fields)
+        for theirs, ours in (("prompt_lookup_min", "ngram_min"), ("prompt_lookup_max", "ngram_max")):
+            if theirs in fields:
+                fields[ours] = fields.pop(theirs)
+        known = {"method", "model", "num_speculative_tokens", "ngram_min", "ngram_max"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in fields:
+            fields["method"] = "draft_model" if fields.get("model") else "ngram"
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**fields)
+
+    @classmethod
+    def from_options(cls, *, speculative_model: str | None = None, speculative_mode: str | None = None,
+                     num_speculative_tokens: int | None = None, ngram_min: int = 1,
+                     ngram_max: int = 4) -> SpeculativeConfig | None:
+        """The config the command-line flags (or `LLM(...)` keywords) ask for; None when they ask for none.
+        A draft model alone implies method "draft_model"; K defaults to 4 (vLLM's usual choice is 3 to 5)."""
+        if speculative_model is None and speculative_mode is None:
+            if num_speculative_tokens is not None:
+                raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --speculative-mode "
+                                 "ngram")
+            return None
+        method = speculative_mode or "draft_model"
+        k = 4 if num_speculative_tokens is None else num_speculative_tokens
+        return cls(method=method, num_speculative_tokens=k, model=speculative_model, ngram_min=ngram_min,
+                   ngram_max=ngram_max)
+
+
+def speculative_config_of(value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from what `LLM(speculative_config=...)` takes: the config, a dict of its fields, None."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, dict):
+        return SpeculativeConfig.from_dict(value)
+    raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")

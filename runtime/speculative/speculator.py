@@ -1,0 +1,141 @@
+"""The engine's side of speculative decoding: drafts before each schedule, the sampled rows of a verify step,
+the acceptance counters.
+
+A decoding request with K drafts is scheduled with 1 + K positions (its last token, then the drafts), every
+one sampled. Sampled position j decides on draft j + 1 as if drafts 1..j had been accepted: its sampling row
+sees them as output tokens (penalties, min_tokens). The engine keeps the tokens up to the first position
+whose token differs from its draft; that token, the target's own, ends the step's list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..request import Request, RequestStatus
+from ..sampler import SamplingRow
+from ..scheduler import ScheduledRequest
+from .config import SpeculativeConfig
+from .proposer import DraftRequest, Proposer
+from .rejection import DraftRows
+from .stats import SpeculationStats
+
+
+def verification_rows(items: Sequence[ScheduledRequest], offsets: Sequence[int],
+                      row_of: Callable[[str], SamplingRow]) -> list[SamplingRow]:
+    """The sampling row of every sampled position of a step: request i's rows offsets[i]..offsets[i+1]; its
+    j-th row sees the request's first j drafts as output."""
+    rows: list[SamplingRow] = []
+    for i, item in enumerate(items):
+        count = offsets[i + 1] - offsets[i]
+        if not count:
+            continue
+        base = row_of(item.request_id)
+        drafts = item.draft_token_ids
+        rows.append(base)
+        for j in range(1, count):
+            seen = drafts[:j]
+            rows.append(SamplingRow(base.params, base.prompt_token_ids, [*base.output_token_ids, *seen],
+                                    base.generator) if seen else base)
+    return rows
+
+
+def num_accepted(drafts: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many drafts the target's tokens (one per sampled position) accept: the length of the agreeing prefix."""
+    for i, (draft, token) in enumerate(zip(drafts, tokens)):
+        if draft != token:
+            return i
+    return min(len(drafts), len(tokens))
+
+
+class Speculator:
+    """Owns the proposer; `max_seq_len`: the engine's (a verify step never goes past it)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_seq_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_seq_len = max_seq_len
+        self.stats = SpeculationStats(config.num_speculative_tokens)
+        self._probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q of its current drafts, when sampled
+
+    def max_drafts(self, request: Request) -> int:
+        """How many drafts a request may verify in its next step: none unless it is decoding (its only
+        uncomputed token is its last) and unconstrained; never so many that the step could pass max_tokens
+        or max_seq_len (a step yields at most drafts + 1 tokens)."""
+        params = request.sampling_params
+        if (request.status != RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1
+                or params.guided_decoding is not None):
+            return 0
+        k = self.config.num_speculative_tokens
+        if params.num_speculative_tokens is not None:
+            k = min(k, params.num_speculative_tokens)
+        return max(0, min(k, params.max_tokens - len(request.output_token_ids) - 1,
+                          self.max_seq_len - request.num_tokens - 1))
+
+    def propose(self, running: Sequence[Request], row_of: Callable[[str], SamplingRow]) -> None:
+        """Sets every running request's `draft_token_ids` for the next schedule (empty where none)."""
+        wanted, by_id = [], {}
+        for request in running:
+            request.draft_token_ids = []
+            self._probs.pop(request.request_id, None)
+            k = self.max_drafts(request)
+            if k:
+                by_id[request.request_id] = request
+                wanted.append(DraftRequest(request.request_id, request.all_token_ids, k, row_of(request.request_id)))
+        if not wanted:
+            return
+        for request_id, proposal in self.proposer.propose(wanted).items():
+            request = by_id[request_id]
+            request.draft_token_ids = list(proposal.token_ids[:self.max_drafts(request)])
+            if proposal.probs is not None and request.draft_token_ids:
+                self._probs[request_id] = proposal.probs
+
+    def draft_rows(self, items: Sequence[ScheduledRequest], offsets: Sequence[int], vocab_size: int,
+                   device: torch.device) -> DraftRows | None:
+        """The drafts a step verifies, by sampled row, with the q of sampled drafts; None when it verifies none."""
+        token_ids = [-1] * offsets[-1]
+        with_probs: list[tuple[int, torch.Tensor]] = []
+        for i, item in enumerate(items):
+            drafts = item.draft_token_ids
+            if not drafts:
+                continue
+            first = offsets[i]
+            token_ids[first:first + len(drafts)] = drafts
+            q = self._probs.get(item.request_id)
+            if q is not None:
+                with_probs.append((first, q[:len(drafts)]))
+        if all(t < 0 for t in token_ids):
+            return None
+        probs, rows = None, set()
+        if with_probs:
+            probs = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)  # [R, V]
+            for first, q in with_probs:
+                probs[first:first + len(q)] = q
+                rows.update(range(first, first + len(q)))
+        return DraftRows(token_ids, probs, frozenset(rows))
+
+    def record(self, drafts: Sequence[int], tokens: Sequence[int]) -> None:
+        """Counts one request's verify step: its drafts and the target's tokens at its sampled positions."""
+        self.stats.record(len(drafts), num_accepted(drafts, tokens))
+
+    def release(self, request_id: str) -> None:
+        self._probs.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def shutdown(self) -> None:
+        self.proposer.shutdown()
+
+
+def make_speculator(config: SpeculativeConfig, target, runtime, *, verify_checksums: bool = True) -> Speculator:
+    """The speculator `config` asks for, its proposer loaded for the target engine (`EngineInfo`) and its
+    `RuntimeConfig`: a draft engine on the same device, or n-gram lookup."""
+    if config.method == "ngram":
+        from .ngram import NgramProposer
+
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        from .draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer.load(config.model, target, runtime, verify_checksums=verify_checksums)
+    return Speculator(config, proposer, runtime.max_seq_len)

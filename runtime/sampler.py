@@ -14,13 +14,35 @@ from .host_tensors import to_device
 from .sampling_params import SamplingParams
 from .speculative.rejection import CheckedDrafts, DraftRows, rejection_rule
 
+# The kinds of random draw a seeded row makes at one output position, each from its own stream: the token
+# itself (exponential race, residual draws included), the rejection rule's uniform, a draft model's draft.
+TOKEN_DRAW, ACCEPT_DRAW, DRAFT_DRAW = 0, 1, 2
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int, kind: int) -> int:
+    """The generator seed of one draw: splitmix64's finalizer over (seed, position, kind), so neighbouring
+    positions get unrelated streams. Returns an integer in [0, 2**63)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9 + (kind + 1) * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def _reseed(row: SamplingRow, kind: int) -> torch.Generator:
+    """The row's generator, seeded for its draw of `kind` at its output position."""
+    return row.generator.manual_seed(draw_seed(row.params.seed, len(row.output_token_ids), kind))
+
 
 @dataclass
 class SamplingRow:
     """Plain data for one request in this step.
 
-    `generator` is the request's own generator when `params.seed` is set: created by the caller on the
-    logits' device, seeded once per request and reused across steps. None draws from the default RNG.
+    `generator` is the request's own generator when `params.seed` is set, created by the caller on the
+    logits' device; None draws from the default RNG. It is reseeded before every draw from the request's seed,
+    the output position drawn for (len(output_token_ids)) and the kind of draw, so a seeded request's tokens
+    depend on its seed and its own tokens only: not on the batch, on how its steps were cut (preemption,
+    speculative decoding's drafts) or on how many draws came before.
     """
 
     params: SamplingParams
@@ -140,7 +162,7 @@ class Sampler:
             return tokens, None
         index = to_device(random_rows, torch.int64, raw.device)  # [N]
         probs = processed_probs(processed[index], raw[index], [rows[i] for i in random_rows])  # [N, V]
-        tokens = tokens.index_copy(0, index, _draw(probs, [rows[i] for i in random_rows]))
+        tokens = tokens.index_copy(0, index, _draw(probs, [rows[i] for i in random_rows], kind=DRAFT_DRAW))
         q = torch.zeros_like(raw).scatter_(1, tokens[:, None], 1.0).index_copy_(0, index, probs)  # [R, V]
         return tokens, q
 
@@ -238,11 +260,13 @@ def processed_probs(logits: torch.Tensor, fallback: torch.Tensor, rows: Sequence
     return torch.where(empty, one_hot, probs)
 
 
-def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], drafts: CheckedDrafts | None = None) -> torch.Tensor:
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], drafts: CheckedDrafts | None = None,
+          kind: int = TOKEN_DRAW) -> torch.Tensor:
     """One exponential-race draw per row of `probs` ([R, V] float32, processed_probs'); rows with a draft
-    and its q take the rejection rule instead (see Sampler.sample). Returns [R] int64 token ids."""
+    and its q take the rejection rule instead (see Sampler.sample). `kind`: which stream seeded rows draw
+    from (a draft model's drafts use their own). Returns [R] int64 token ids."""
     num_rows, vocab_size = probs.shape
-    q = _exponential_noise(rows, num_rows, vocab_size, probs.device)  # [R, V]
+    q = _exponential_noise(rows, num_rows, vocab_size, probs.device, kind)  # [R, V]
     accept = None
     if drafts is not None:
         uniforms = _uniforms([rows[i] for i in drafts.rows], probs.device)  # [N]
@@ -261,14 +285,15 @@ def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor
     u = torch.rand(len(rows), device=device)
     for i, row in enumerate(rows):
         if row.generator is not None:
-            u[i] = torch.rand((), device=device, generator=row.generator)
+            u[i] = torch.rand((), device=device, generator=_reseed(row, ACCEPT_DRAW))
     return u
 
 
-def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int,
-                       device: torch.device) -> torch.Tensor:
-    """Exp(1) noise, [R, V] float32. A row with a generator draws its own V values from it, so a
-    seeded request gets the same noise whatever else is in the batch; the rest draw together."""
+def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: int, device: torch.device,
+                       kind: int = TOKEN_DRAW) -> torch.Tensor:
+    """Exp(1) noise, [R, V] float32. A row with a generator draws its own V values from it (reseeded for
+    this position and `kind`), so a seeded request gets the same noise whatever else is in the batch; the
+    rest draw together."""
     q = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
     unseeded = [i for i, row in enumerate(rows) if row.generator is None]
     if len(unseeded) == num_rows:
@@ -279,6 +304,7 @@ def _exponential_noise(rows: Sequence[SamplingRow], num_rows: int, vocab_size: i
         q.index_copy_(0, index, noise)
     for i, row in enumerate(rows):
         if row.generator is not None:
-            q[i] = torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=row.generator)
+            noise = torch.empty(vocab_size, dtype=torch.float32, device=device)
+            q[i] = noise.exponential_(generator=_reseed(row, kind))
     # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)

@@ -105,6 +105,11 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_code_engine, tin
         batched = llm.generate(prompts[:8], [seeded if i == 3 else others for i in range(8)])[3]
         assert llm.speculation_stats()["num_accepted_tokens"] > 0
     assert alone.token_ids == again.token_ids == batched.token_ids
+    if method == "ngram":
+        # A certain draft is verified by the very draw plain sampling makes at that position (the generator is
+        # reseeded per position), so n-gram speculation leaves a seeded request's tokens exactly as they were.
+        with LLM(tiny_code_engine, **TIGHT) as plain:
+            assert plain.generate(prompts[3], seeded)[0].token_ids == alone.token_ids
 
 
 def test_aborts_and_mid_flight_arrivals_keep_the_caches_exact(tiny_code_engine, tiny_code_draft_engine, prompts):

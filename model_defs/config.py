@@ -38,6 +38,30 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: `num_experts` SwiGLU experts of `intermediate_size`, `top_k` per token
+    (softmax over the router's logits, then top-k, divided by their sum when `renormalize`), an optional
+    shared expert (Qwen2-MoE: `shared_expert_intermediate_size` > 0, scaled by a sigmoid gate), and per layer
+    whether it is sparse (`sparse_layers`; the other layers keep the dense MLP of the model's intermediate_size)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelConfigError(f"MoE config field {f}={value!r} must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok={self.top_k} exceeds the {self.num_experts} experts")
+        object.__setattr__(self, "sparse_layers", tuple(bool(s) for s in self.sparse_layers))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -61,6 +85,7 @@ class ModelConfig:
     # From generation_config.json when the checkpoint has one, else config.json.
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -80,11 +105,15 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{len(self.layer_sliding_windows)} layer attention types for {self.num_layers} layers"
             )
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ModelConfigError(f"{len(self.moe.sparse_layers)} MoE layer flags for {self.num_layers} layers")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layer_sliding_windows"] = list(self.layer_sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.moe is not None:
+            d["moe"]["sparse_layers"] = list(self.moe.sparse_layers)
         return d
 
     @classmethod
@@ -97,6 +126,8 @@ class ModelConfig:
         d["rope"] = RopeConfig(**d["rope"])
         d["layer_sliding_windows"] = tuple(d.get("layer_sliding_windows", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        if d.get("moe") is not None:
+            d["moe"] = MoEConfig(**d["moe"])
         return cls(**d)
 
 

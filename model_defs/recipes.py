@@ -51,7 +51,23 @@ class Stack:
         return torch.stack(list(parts), dim=self.dim)
 
 
-Combine = Single | Concat | Stack
+@dataclass(frozen=True)
+class StackGroups:
+    """Consecutive groups of `group` parts, each concatenated along `dim`, stacked along a new dim 0 (MoE
+    experts' gate and up rows: E x ([I, H], [I, H]) -> [E, 2I, H])."""
+
+    group: int
+    dim: int = 0
+
+    def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        parts = list(parts)
+        if len(parts) % self.group:
+            raise ValueError(f"{len(parts)} parts do not make groups of {self.group}")
+        groups = [torch.cat(parts[i:i + self.group], dim=self.dim) for i in range(0, len(parts), self.group)]
+        return torch.stack(groups, dim=0)
+
+
+Combine = Single | Concat | Stack | StackGroups
 
 
 @dataclass(frozen=True)

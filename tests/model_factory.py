@@ -15,6 +15,9 @@ _CONFIG_CLASSES = {
     "MistralForCausalLM": transformers.MistralConfig,
     "Qwen2ForCausalLM": transformers.Qwen2Config,
     "Qwen3ForCausalLM": transformers.Qwen3Config,
+    "MixtralForCausalLM": transformers.MixtralConfig,
+    "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+    "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
 }
 
 BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -34,6 +34,11 @@ VARIANTS = {
     "qwen2-biases": ("Qwen2ForCausalLM", {"tie_word_embeddings": False}, {}),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 16}, {}),
     "llama-int4-wo": ("LlamaForCausalLM", {}, {"qformat": "int4_wo", "awq_block_size": 32}),
+    # experts split by intermediate features, the shared expert column/row, a dense layer among sparse ones
+    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                         "moe_intermediate_size": 32,
+                                                         "shared_expert_intermediate_size": 48,
+                                                         "mlp_only_layers": [1]}, {}),
 }
 
 

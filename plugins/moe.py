@@ -1,0 +1,110 @@
+"""Fused mixture-of-experts: route each token to its top-k experts, run their SwiGLU MLPs, sum the outputs.
+
+One operator for the whole sparse block of Mixtral, Qwen2-MoE and Qwen3-MoE (a shared expert, where a model
+has one, is an ordinary MLP outside it):
+
+    weights = softmax(router_logits) in float32; top_k of them per token (ties: torch.topk's order);
+    renormalized to sum 1 when `renormalize`; rounded to x's dtype
+    out[t] = sum over the token's experts e of weight[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+
+Expert weights are fused at build time: w_gate_up [E, 2I, H] ([gate; up] rows, as the dense MLP's
+gate_up_proj), w_down [E, H, I]. The reference groups the tokens by expert (one GEMM pair per expert that
+received any; no per-token loop), as transformers' MoE blocks compute it: each expert's output in x's dtype,
+multiplied by the token's weight in x's dtype, summed into the token's row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    FLOAT_DTYPES,
+    check_dims,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_size,
+)
+from ._eager import runs_reference_directly
+from ._triton import USE_TRITON
+from .activation import silu_and_mul_reference
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing rule shared by the reference and the kernels. router_logits: [T, E] -> (weights [T, k] in
+    `dtype`, expert ids [T, k] int64), most probable first."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    # x: [T, H]; router_logits: [T, E]; w_gate_up: [E, 2I, H]; w_down: [E, H, I] -> [T, H] in x's dtype
+    num_tokens, hidden = x.shape
+    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
+    flat = ids.flatten()  # [T*k]: slot s belongs to token s // k
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within each
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()  # [E] (one host read)
+    out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        slots = order[start:start + count]  # [n]
+        start += count
+        tokens = slots // top_k  # [n]
+        h = silu_and_mul_reference(x[tokens] @ w_gate_up[expert].t())  # [n, I]
+        y = (h @ w_down[expert].t()) * weights.flatten()[slots, None]  # [n, H]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+_fused_moe_op = torch.library.custom_op("kiln::fused_moe", mutates_args=())(fused_moe_reference)
+
+
+@_fused_moe_op.register_fake
+def _(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+    return torch.empty_like(x)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """The sparse MoE block. x: [T, H] float (last dim contiguous); router_logits: [T, E] (any float dtype);
+    w_gate_up: [E, 2I, H] and w_down: [E, H, I] in x's dtype; top_k in [1, E]. Returns [T, H] in x's dtype.
+    `renormalize`: the top-k weights are divided by their sum (Mixtral; Qwen's norm_topk_prob)."""
+    check_dims("x", x, 2)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_last_dim_contiguous("x", x)
+    check_dims("w_gate_up", w_gate_up, 3)
+    check_dims("w_down", w_down, 3)
+    experts, two_inter, hidden = w_gate_up.shape
+    if two_inter % 2:
+        raise ValueError(f"w_gate_up.shape[1] must be even ([gate; up] rows), got {two_inter}")
+    check_size("x", x, 1, hidden, "hidden size of w_gate_up")
+    check_size("w_down", w_down, 0, experts, "experts of w_gate_up")
+    check_size("w_down", w_down, 1, hidden, "hidden size of w_gate_up")
+    check_size("w_down", w_down, 2, two_inter // 2, "intermediate size of w_gate_up")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        check_dtype(name, w, (x.dtype,))
+    check_dims("router_logits", router_logits, 2)
+    check_dtype("router_logits", router_logits, FLOAT_DTYPES)
+    check_size("router_logits", router_logits, 0, x.shape[0], "tokens of x")
+    check_size("router_logits", router_logits, 1, experts, "experts of w_gate_up")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k!r} must be an integer in [1, {experts}] (the number of experts)")
+    check_same_device(x=x, router_logits=router_logits, w_gate_up=w_gate_up, w_down=w_down)
+    op = fused_moe_reference if runs_reference_directly(x) else _fused_moe_op
+    return op(x, router_logits, w_gate_up, w_down, top_k, bool(renormalize))
+
+
+if USE_TRITON:
+    try:
+        from .triton_moe import fused_moe_triton
+    except ImportError:  # the kernel module is added separately; until then CUDA runs the reference
+        fused_moe_triton = None
+    if fused_moe_triton is not None:
+        _fused_moe_op.register_kernel("cuda")(fused_moe_triton)

@@ -101,3 +101,31 @@ def test_moe_engines_refuse_what_they_cannot_do_yet(tmp_path):
     (checkpoint / "config.json").write_text(json.dumps(bad))
     with pytest.raises((BuildError, ValueError), match="num_experts_per_tok=9 exceeds the 4 experts"):
         build_engine(checkpoint, tmp_path / "bad", BuildConfig(), progress=False)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_moe_reference_equals_a_per_token_loop(renormalize):
+    import torch
+    import torch.nn.functional as F
+
+    from kiln.plugins import fused_moe
+
+    torch.manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 9, 16, 8, 6, 2
+    x = torch.randn(tokens, hidden, dtype=torch.float64).float()
+    w_gate_up = torch.randn(experts, 2 * inter, hidden) / 4
+    w_down = torch.randn(experts, hidden, inter) / 4
+    logits = torch.randn(tokens, experts)
+    logits[:, 5] = -30.0  # expert 5 receives no token
+    logits[3] = 0.0  # a router tie over all experts: torch.topk's order decides, in both
+    out = fused_moe(x, logits, w_gate_up, w_down, top_k=top_k, renormalize=renormalize)
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        probs = torch.softmax(logits[t], dim=-1)
+        weights, ids = torch.topk(probs, top_k)
+        if renormalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, ids.tolist()):
+            gate, up = (w_gate_up[e] @ x[t]).chunk(2)
+            expected[t] += w * (w_down[e] @ (F.silu(gate) * up))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -11,8 +11,8 @@ for mixed batches, and a split-K decode path when T == S. Both take their launch
 shapes only, never from tensor values, so they can be captured in CUDA graphs.
 
 A quantized cache (float8_e4m3fn, int8: see kv_cache.py) is read as cache.float() * scale, with per-layer
-k_scale, v_scale ([1] float32). The Triton kernels do not read such caches yet: on CUDA they run the
-reference, which reads lengths on the host (no CUDA graphs for them).
+k_scale, v_scale ([1] float32). The Triton kernels read such caches too, the scales from device memory (the
+kernels fold them out of the dots: see triton_attention.py).
 """
 
 from __future__ import annotations
@@ -209,11 +209,4 @@ def paged_attention(
 if USE_TRITON:
     from .triton_attention import paged_attention_triton
 
-    @_paged_attention_op.register_kernel("cuda")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, k_scale=None,
-          v_scale=None):
-        if k_scale is not None:  # quantized caches: no GPU kernel yet, the reference runs on CUDA tensors
-            return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             scale, sliding_window, k_scale, v_scale)
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      sliding_window)
+    _paged_attention_op.register_kernel("cuda")(paged_attention_triton)

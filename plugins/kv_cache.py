@@ -5,8 +5,8 @@ A slot is block_id * block_size + offset; slot -1 means "skip" (padding tokens o
 
 A quantized cache (float8_e4m3fn or int8, TensorRT-LLM's FP8 / INT8 KV cache) stores k / k_scale and
 v / v_scale, rounded and saturated to the cache dtype; attention reads cache.float() * scale. The scales are
-per layer, [1] float32 tensors on the cache's device. The Triton kernels do not handle such caches yet: on
-CUDA a quantized cache runs the PyTorch reference (which syncs with the host: no CUDA graphs for it).
+per layer, [1] float32 tensors on the cache's device; the Triton kernel on CUDA reads them from device
+memory (no host sync, so the write can be captured in a CUDA graph) and stores the same bytes.
 """
 
 from __future__ import annotations
@@ -120,8 +120,4 @@ def write_kv_cache(
 if USE_TRITON:
     from .triton_rotary_kv import write_kv_cache_triton
 
-    @_write_kv_cache_op.register_kernel("cuda")
-    def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-        if k_scale is not None:  # quantized caches: no GPU kernel yet, the reference runs on CUDA tensors
-            return write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    _write_kv_cache_op.register_kernel("cuda")(write_kv_cache_triton)

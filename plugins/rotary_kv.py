@@ -2,8 +2,8 @@
 cache and returns the rotated q. Same result as rotary_embedding followed by write_kv_cache, but the GPU
 runs one kernel per layer instead of two (and the rotated k never round-trips through memory).
 
-A quantized cache (float8_e4m3fn, int8) takes k_scale, v_scale as write_kv_cache does; on CUDA it runs the
-PyTorch reference, as the Triton kernel does not quantize yet.
+A quantized cache (float8_e4m3fn, int8) takes k_scale, v_scale as write_kv_cache does; the Triton kernel
+quantizes as the reference does.
 """
 
 from __future__ import annotations
@@ -56,9 +56,4 @@ def rotary_embedding_and_write_kv(
 if USE_TRITON:
     from .triton_rotary_kv import rotary_embedding_and_write_kv_triton
 
-    @_rotary_kv_op.register_kernel("cuda")
-    def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-        if k_scale is not None:  # quantized caches: no GPU kernel yet, the reference runs on CUDA tensors
-            return rotary_embedding_and_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                                           k_scale, v_scale)
-        return rotary_embedding_and_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    _rotary_kv_op.register_kernel("cuda")(rotary_embedding_and_write_kv_triton)

@@ -9,6 +9,16 @@ Two paths, picked from shapes only so that a captured CUDA graph replays the sam
   output and its log-sum-exp, which a second kernel merges.
 Keys are gathered through the block table one position at a time, so BLOCK_N does not depend on the
 cache block size. Scores use exp2 with scale * log2(e) folded into one multiply.
+
+A quantized cache (KV_QUANT: float8_e4m3fn or int8) holds k / k_scale and v / v_scale. Its tiles are
+converted to q's dtype, exactly (every float8_e4m3fn value and every int8 is a float16 and a bfloat16 number),
+and the dots run on the stored values as with a float cache; the scales multiply outside the dots, where
+linearity makes that the same math: (q . k) * k_scale is one multiply folded into qk_scale, and
+(p @ v) * v_scale one multiply of the normalized output. Against the reference's dequantize-first
+(cache.float() * scale, then float32 attention) that only moves each score and output by float32 roundings
+(relative 2**-24 each), far below the bfloat16 / float16 rounding of p and of the output that the float
+path already has. The scales are read on the GPU (CUDA graphs replay the launches); a float cache compiles
+without any of it.
 """
 
 from __future__ import annotations
@@ -30,10 +40,11 @@ _M_INIT = tl.constexpr(-1.0e30)
 def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_end, q_pos, window, qk_scale,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
-                 USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N). MASK_KEYS drops keys >= key_end (never
     read); CAUSAL drops, per row, keys after q_pos and (USE_WINDOW) keys <= q_pos - window. Tiles known
-    to be fully visible skip both."""
+    to be fully visible skip both. KV_QUANT: the cache holds unscaled float8 / int8 values (qk_scale has
+    k_scale in it; the caller multiplies the output by v_scale)."""
     # q: [BLOCK_M, BLOCK_D]; acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i, q_pos: [BLOCK_M]
     k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)
@@ -48,6 +59,8 @@ def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_
     if MASK_KEYS:
         load_mask = load_mask & key_ok[:, None]
     k = tl.load(k_ptr + kv_offs, mask=load_mask, other=0.0)
+    if KV_QUANT:
+        k = k.to(tl.float32).to(q.dtype)  # exact: see the module docstring
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         visible = k_pos[None, :] <= q_pos[:, None]
@@ -61,6 +74,8 @@ def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + kv_offs, mask=load_mask, other=0.0)
+    if KV_QUANT:
+        v = v.to(tl.float32).to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -81,12 +96,12 @@ def _sequence_of_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr
 
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles"])
 def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                    qk_scale, window, num_seqs, num_tiles, stride_q_tok, stride_q_head, stride_o_tok,
-                    stride_o_head, stride_table,
+                    k_scale_ptr, v_scale_ptr, qk_scale, window, num_seqs, num_tiles, stride_q_tok, stride_q_head,
+                    stride_o_tok, stride_o_head, stride_table,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
     tile = num_tiles - 1 - pid // NUM_KV_HEADS  # last tiles (the most keys) start first
@@ -110,7 +125,11 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     token = (q_start + first_q + q_idx).to(tl.int64)
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=io_mask, other=0.0).to(k_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+                mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if KV_QUANT:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # the dots run in q's dtype
+    else:
+        q = q.to(k_ptr.dtype.element_ty)  # ... in the cache's
 
     # Keys some row sees: [key_lo, last_pos]; keys every row sees: [full_lo, first_pos].
     key_hi = last_pos + 1
@@ -131,26 +150,30 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     for step in range(0, full_start):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
                                      key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION)
+                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT)
     for step in range(full_start, full_end):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
                                      key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, False, False, USE_WINDOW, DOT_PRECISION)
+                                     BLOCK_D, False, False, USE_WINDOW, DOT_PRECISION, KV_QUANT)
     for step in range(full_end, num_steps):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
                                      key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION)
+                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no key (seq_len 0 padding) give zeros
+    if KV_QUANT:
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["window"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
-                   qk_scale, window, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_table,
+                   k_scale_ptr, v_scale_ptr, qk_scale, window, stride_q_tok, stride_q_head, stride_o_tok,
+                   stride_o_head, stride_table,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   KV_QUANT: tl.constexpr):
     seq = tl.program_id(0)  # == its query token: one token per sequence
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,7 +193,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, blo
     head = kv_head * GROUP + offs_m
     io_mask = (offs_m[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=io_mask, other=0.0).to(k_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+                mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if KV_QUANT:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # the dots run in q's dtype
+    else:
+        q = q.to(k_ptr.dtype.element_ty)  # ... in the cache's
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
@@ -178,8 +205,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, blo
     for step in range(0, num_steps):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start + step * BLOCK_N,
                                      end, seq_len - 1, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, True, False, USE_WINDOW, DOT_PRECISION)
+                                     BLOCK_D, True, False, USE_WINDOW, DOT_PRECISION, KV_QUANT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_QUANT:
+        out = out * tl.load(v_scale_ptr)  # the merge of split parts is linear: scaling each part is the same
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -268,9 +297,12 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_reference` on the GPU; the decode path needs T == S with one token per sequence.
-    q may be strided except in its last dim; k_cache, v_cache must be contiguous."""
+    q may be strided except in its last dim; k_cache, v_cache must be contiguous. A float8_e4m3fn or int8
+    cache comes with k_scale, v_scale ([1] float32 on the device), read by the kernels."""
     # q: [T, Hq, D]; k_cache, v_cache: [N, block_size, Hk, D] -> out: [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -279,20 +311,24 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
     decode = num_tokens == num_seqs
-    cfg = _launch_config(num_tokens, num_seqs, num_kv_heads, group, head_dim, k_cache.element_size(),
+    quantized = k_scale is not None
+    dot_dtype = q.dtype if quantized else k_cache.dtype  # what the dots multiply (see the module docstring)
+    cfg = _launch_config(num_tokens, num_seqs, num_kv_heads, group, head_dim, dot_dtype.itemsize,
                          block_tables.shape[1] * block_size, _sm_count(q.device), decode)
     shared = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-                  USE_WINDOW=sliding_window > 0, DOT_PRECISION="tf32x3" if k_cache.dtype == torch.float32 else "tf32",
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  USE_WINDOW=sliding_window > 0, DOT_PRECISION="tf32x3" if dot_dtype == torch.float32 else "tf32",
+                  KV_QUANT=quantized, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     qk_scale = scale * LOG2E
+    # A float cache's kernels never read the scale pointers (KV_QUANT is compile-time): q stands in.
+    k_scale, v_scale = (k_scale, v_scale) if quantized else (q, q)
     if not decode:
         block_q = cfg.block_m // group
         num_tiles = num_tokens // block_q + num_seqs
         _unified_kernel[(num_tiles * num_kv_heads,)](
-            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, sliding_window,
-            num_seqs, num_tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            BLOCK_Q=block_q, **shared)
+            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, qk_scale,
+            sliding_window, num_seqs, num_tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), BLOCK_Q=block_q, **shared)
         return out
     splits = cfg.num_splits
     part_out = torch.empty((num_seqs, num_heads, splits, head_dim) if splits > 1 else (0,),
@@ -300,9 +336,9 @@ def paged_attention_triton(
     part_lse = torch.empty((num_seqs, num_heads, splits) if splits > 1 else (0,), dtype=torch.float32,
                            device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, qk_scale, sliding_window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), NUM_SPLITS=splits,
-        **shared)
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, k_scale, v_scale, qk_scale,
+        sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_SPLITS=splits, **shared)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,

@@ -20,7 +20,7 @@ from kiln.model_defs import CausalLM
 
 from . import memory
 from .cuda_graphs import DecodeGraphs, decode_batch
-from .kv_cache import KVCache, is_quantized, rank_cache_config
+from .kv_cache import KVCache, rank_cache_config
 from .memory_profile import profile_activation_bytes
 from .model_step import StepInput, StepResult
 from .prompt_logprobs import prompt_logprobs
@@ -86,13 +86,7 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         graph_bytes = 0
         if device.type == "cuda" and limits.cuda_graphs:
-            if is_quantized(kv_cache_dtype):
-                # The reference ops read sequence lengths on the host (.tolist()): no graph can capture them.
-                logger.warning("not capturing CUDA graphs: the %s KV cache runs the PyTorch reference "
-                               "attention (GPU kernels for FP8/INT8 KV caches are a later issue)",
-                               kv_cache_dtype)
-            else:
-                graph_bytes = self._capture_graphs(fraction)
+            graph_bytes = self._capture_graphs(fraction)
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
         self.memory_report = memory.MemoryReport(
             device=str(device), total_bytes=total, weights_bytes=weights, activation_bytes=activation,

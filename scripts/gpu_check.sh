@@ -6,13 +6,20 @@
 #   bash scripts/gpu_check.sh             # tests + latency 128/256 + throughput 128/128 x 3000
 #   KILN_BENCH_FULL=1 bash scripts/gpu_check.sh   # also throughput 128/2048, 2048/128, TTFT at 2048 input
 #   KILN_SKIP_TESTS=1 / KILN_SKIP_BENCH=1         # one half only
+#   KILN_BENCH_QFORMAT=fp8|int4_awq|int8_sq|int8_wo|int4_wo KILN_BENCH_KV=fp8|int8   # a quantized dummy engine
 #
 # Installs kiln (not editable; no dependencies: the machine's torch, triton, transformers are used) and runs
 # pytest from tests/, where the top-level kiln/ folder of the checkout would not shadow the installed package.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-/tmp/kiln-gpu-check}"
-engine="${KILN_BENCH_ENGINE:-/tmp/kiln-llama-3.1-8b-dummy}"
+qformat="${KILN_BENCH_QFORMAT:-}"
+kv_dtype="${KILN_BENCH_KV:-}"
+suffix="${qformat:+-$qformat}${kv_dtype:+-kv$kv_dtype}"
+engine="${KILN_BENCH_ENGINE:-/tmp/kiln-llama-3.1-8b-dummy$suffix}"
+quant_flags=()
+[ -n "$qformat" ] && quant_flags+=(--qformat "$qformat")
+[ -n "$kv_dtype" ] && quant_flags+=(--kv-cache-dtype "$kv_dtype")
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation "$repo" 2>&1 | tail -n 3
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SUMMARY install: FAILED"; exit 1; }
@@ -61,16 +68,16 @@ if [ "${KILN_SKIP_BENCH:-0}" != 1 ]; then
   if [ ! -f "$engine/engine.json" ]; then
     start=$(date +%s)
     kiln build --checkpoint "$repo/benchmarks/configs/llama-3.1-8b" --output "$engine" --dummy-weights \
-      --dtype bfloat16 --device cuda --max-batch-size 256 --max-num-tokens 8192 --max-seq-len 4224 \
+      --dtype bfloat16 --device cuda --max-batch-size 256 --max-num-tokens 8192 --max-seq-len 4224 "${quant_flags[@]}" \
       || { echo "SUMMARY build: FAILED"; exit 1; }
-    summary+=("SUMMARY build: llama-3.1-8b dummy engine in $(( $(date +%s) - start )) s")
+    summary+=("SUMMARY build: llama-3.1-8b dummy engine$suffix in $(( $(date +%s) - start )) s")
   fi
-  bench latency-128-256 latency --input-len 128 --output-len 256
-  bench throughput-128-128 throughput --input-len 128 --output-len 128 --num-requests 3000
+  bench latency-128-256$suffix latency --input-len 128 --output-len 256
+  bench throughput-128-128$suffix throughput --input-len 128 --output-len 128 --num-requests 3000
   if [ "${KILN_BENCH_FULL:-0}" = 1 ]; then
-    bench latency-2048-16 latency --input-len 2048 --output-len 16
-    bench throughput-128-2048 throughput --input-len 128 --output-len 2048 --num-requests 1000
-    bench throughput-2048-128 throughput --input-len 2048 --output-len 128 --num-requests 1000
+    bench latency-2048-16$suffix latency --input-len 2048 --output-len 16
+    bench throughput-128-2048$suffix throughput --input-len 128 --output-len 2048 --num-requests 1000
+    bench throughput-2048-128$suffix throughput --input-len 2048 --output-len 128 --num-requests 1000
   fi
 fi
 

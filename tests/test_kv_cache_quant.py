@@ -421,7 +421,7 @@ def test_create_executor_refuses_fp8_on_an_old_gpu_before_loading_weights(float_
         create_executor(info, runtime)
 
 
-# --- CUDA: quantized caches run the reference ops (no Triton kernel yet) and no CUDA graphs ---
+# --- CUDA: quantized caches through the Triton kernels, decode steps in CUDA graphs ---
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -460,7 +460,7 @@ def test_cuda_quantized_ops_give_the_cpu_results(dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", ["fp8", "int8"])
-def test_cuda_quantized_engine_runs_eagerly_and_batches_like_alone(tmp_path, name):
+def test_cuda_quantized_engine_runs_in_graphs_and_batches_like_alone(tmp_path, name):
     checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
     limits = dict(dtype="bfloat16", max_batch_size=8, max_num_tokens=64, max_seq_len=128, kv_block_size=4)
     float_engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", **limits),
@@ -472,9 +472,9 @@ def test_cuda_quantized_engine_runs_eagerly_and_batches_like_alone(tmp_path, nam
     qmax = 448.0 if name == "fp8" else 127.0
     engine = _twin(float_engine, tmp_path / name, lambda b: b.update(
         kv_cache_dtype=name, kv_cache_scales=[[k / qmax, v / qmax] for k, v in amax]))
-    llm = LLM(engine, num_kv_blocks=256)  # cuda_graphs asked for, and refused for the quantized cache
+    llm = LLM(engine, num_kv_blocks=256)
     runner = llm.engine.executor.runner
-    assert runner.graphs is None and runner.kv_cache.dtype == KV_CACHE_DTYPES[name]
+    assert runner.graphs is not None and runner.kv_cache.dtype == KV_CACHE_DTYPES[name]
     assert runner.kv_cache.scales[0][0].device.type == "cuda"
     prompts = _prompts(10, seed=5)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -11,6 +11,8 @@ Expert weights are fused at build time: w_gate_up [E, 2I, H] ([gate; up] rows, a
 gate_up_proj), w_down [E, H, I]. The reference groups the tokens by expert (one GEMM pair per expert that
 received any; no per-token loop), as transformers' MoE blocks compute it: each expert's output in x's dtype,
 multiplied by the token's weight in x's dtype, summed into the token's row.
+
+On CUDA the op runs the Triton kernels of triton_moe.py (grouped GEMMs over expert-sorted tokens).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up:
     # x: [T, H]; router_logits: [T, E]; w_gate_up: [E, 2I, H]; w_down: [E, H, I] -> [T, H] in x's dtype
     num_tokens, hidden = x.shape
     weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _fused_moe_every_expert(x, weights, ids, w_gate_up, w_down)
     flat = ids.flatten()  # [T*k]: slot s belongs to token s // k
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within each
     counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()  # [E] (one host read)
@@ -60,6 +64,21 @@ def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up:
         h = silu_and_mul_reference(x[tokens] @ w_gate_up[expert].t())  # [n, I]
         y = (h @ w_down[expert].t()) * weights.flatten()[slots, None]  # [n, H]
         out.index_add_(0, tokens, y)
+    return out
+
+
+def _fused_moe_every_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor) -> torch.Tensor:
+    """The reference inside a CUDA-graph capture (KILN_DISABLE_TRITON=1 on a GPU), where the per-expert token
+    counts cannot be read on the host: every expert runs on every token, a token's weight for an expert it did
+    not choose being 0. The sums are the reference's (in expert order; the zeros add nothing), at E / k times
+    the work."""
+    # x: [T, H]; weights, ids: [T, k] -> [T, H]
+    out = torch.zeros_like(x)
+    for expert in range(w_gate_up.shape[0]):
+        token_weight = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]: top-k ids are distinct
+        h = silu_and_mul_reference(x @ w_gate_up[expert].t())  # [T, I]
+        out += (h @ w_down[expert].t()) * token_weight
     return out
 
 
@@ -102,9 +121,6 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
 
 
 if USE_TRITON:
-    try:
-        from .triton_moe import fused_moe_triton
-    except ImportError:  # the kernel module is added separately; until then CUDA runs the reference
-        fused_moe_triton = None
-    if fused_moe_triton is not None:
-        _fused_moe_op.register_kernel("cuda")(fused_moe_triton)
+    from .triton_moe import fused_moe_triton
+
+    _fused_moe_op.register_kernel("cuda")(fused_moe_triton)

@@ -1,0 +1,177 @@
+"""Triton kernels behind kiln::fused_moe on CUDA: grouped GEMMs over expert-sorted tokens.
+
+As the fused-MoE kernels of vLLM and SGLang do, each token's top-k (token, expert) slots are sorted by expert
+and each expert's run is padded to a multiple of BLOCK_M, so one program's BLOCK_M rows all use one expert's
+weights. Two kernels then run over those blocks:
+
+- gate/up: h[slot] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T), gate and up accumulated side by side
+  and combined in the epilogue (no [S, 2I] intermediate);
+- down: y[slot] = (h[slot] @ down_e^T) * weight[slot].
+
+and the k slots of each token are summed in float32. Every step that rounds in the reference (moe.py) rounds
+here too: the GEMM outputs, silu, the product with up, the down output and its product with the routing
+weight are each rounded to x's dtype, so what differs is only the order of the float32 sums (in the GEMMs,
+and the final k-way sum that the reference adds in x's dtype).
+
+Everything is sized by the number of tokens only, never by how they route: the sort, the padding and the
+grid (an upper bound on the number of blocks; blocks past the end exit at once) are device ops with no host
+read, so an MoE step is captured in a CUDA graph like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe import route
+from .triton_activation import _exp
+
+_NO_EXPERT = -1  # expert id of a block past the last expert's padded run
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorts the slots (token * k + j) of ids: [T, k] by expert, each expert's run padded to a multiple of
+    block_m. Returns (sorted_slots [B * block_m] int32, padding = T * k; block_experts [B] int32, an expert
+    id, or -1 for blocks past the end), B = ceil(T * k / block_m) + min(E, T * k): the most blocks any
+    routing needs (each expert that got a token adds at most one partly filled block)."""
+    flat = ids.flatten()  # [S] expert of each slot
+    num_slots = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would read its max on the host
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = torch.cumsum(padded, 0)  # [E]
+    padded_start = padded_end - padded
+    run_start = torch.cumsum(counts, 0) - counts  # [E] where each expert's slots start in sorted order
+    order = torch.argsort(flat, stable=True)  # [S] slots by expert, in slot order within one
+    sorted_experts = flat[order]  # [S]
+    rank = torch.arange(num_slots, device=ids.device) - run_start[sorted_experts]  # [S] place within its run
+    num_blocks = triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
+    sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=ids.device)
+    sorted_slots[padded_start[sorted_experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=ids.device) * block_m  # [B]
+    # An expert with no token has an empty run (padded_end equal to the one before): right=True skips it.
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)  # [B] in 0..E
+    block_experts = torch.where(block_experts < num_experts, block_experts, _NO_EXPERT).to(torch.int32)
+    return sorted_slots, block_experts
+
+
+@triton.jit
+def _silu(g):
+    # As torch's CUDA silu: x / (1 + expf(-x)) in float32 with an IEEE division.
+    return tl.math.div_rn(g, 1.0 + _exp(-g))
+
+
+# Token counts change every step: specializing on them would only add recompiles.
+@triton.jit(do_not_specialize=["num_slots"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr,
+    num_slots, top_k, hidden, inter,
+    stride_x, stride_we, stride_wn, stride_h,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # x: [T, H]; w: [E, 2I, H] (gate rows, then up rows); h: [S, I]
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    dtype = h_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    slots = tl.load(sorted_slots_ptr + rows)  # [BM]; num_slots marks padding
+    valid = slots < num_slots
+    tokens = (slots // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of the I features
+    col_ok = cols < inter
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_expert + cols[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK]
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_ptrs + ks[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+        w_up = tl.load(up_ptrs + ks[:, None], mask=w_mask, other=0.0)  # [BK, BN]
+        acc_gate = tl.dot(a, w_gate, acc_gate)
+        acc_up = tl.dot(a, w_up, acc_up)
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
+    tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_h + cols[None, :], h,
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _down_kernel(
+    h_ptr, w_ptr, y_ptr, routing_ptr, sorted_slots_ptr, block_experts_ptr,
+    num_slots, hidden, inter,
+    stride_h, stride_we, stride_wn, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # h: [S, I]; w: [E, H, I]; y: [S, H]; routing: [S] weights in x's dtype
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    dtype = y_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + rows)  # [BM]
+    valid = slots < num_slots
+    slots64 = slots.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of the H outputs
+    col_ok = cols < hidden
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(h_ptr + slots64[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK]
+        w = tl.load(w_ptrs + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
+        acc = tl.dot(a, w, acc)
+    weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(y_ptr + slots64[:, None] * stride_y + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+
+
+def _launch_config(num_slots: int, num_experts: int) -> dict[str, int]:
+    """Block sizes by how many slots an expert gets on average: decode batches give most experts a token or
+    two (small BLOCK_M, so padding costs little; the step is bound by reading the experts' weights), prefill
+    gives them full blocks."""
+    if num_slots <= 4 * num_experts:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """kiln::fused_moe on CUDA. x: [T, H]; router_logits: [T, E]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]
+    (both with a contiguous last dim) -> [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return torch.zeros_like(x)
+    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
+    cfg = _launch_config(num_slots, num_experts)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sorted_slots, block_experts = align_by_expert(ids, num_experts, block_m)
+    num_blocks = block_experts.numel()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
+    h = x.new_empty((num_slots, inter))  # [S, I]: every slot's row is written once
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w_gate_up, h, sorted_slots, block_experts,
+        num_slots, top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    y = x.new_empty((num_slots, hidden))  # [S, H]
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, w_down, y, weights.reshape(-1), sorted_slots, block_experts,
+        num_slots, hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -37,8 +37,11 @@ def _to_fp8(x):
     bits = x.to(tl.int32, bitcast=True)
     exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # biased float32 exponent
     magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    rounded = (tl.abs(x) + magic) - magic
-    return tl.where(bits < 0, -rounded, rounded).to(tl.float8e4nv)  # the sign bit: -0.0 stays -0.0
+    rounded = (tl.abs(x) + magic) - magic  # >= 0
+    # x's sign bit put back by bits, not by negation: the compiler may emit -r as 0 - r, which turns a tiny
+    # negative value rounded to 0 into +0.0 where the reference keeps -0.0 (seen on an H100).
+    signed = rounded.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)
+    return signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 
 @triton.jit

@@ -27,32 +27,77 @@ import triton.language as tl
 from .moe import route
 from .triton_activation import _exp
 
-_NO_EXPERT = -1  # expert id of a block past the last expert's padded run
+
+# Token counts change every step: specializing on them would only add recompiles.
+@triton.jit(do_not_specialize=["num_slots"])
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, num_slots, CHUNK: tl.constexpr):
+    """Counts each expert's slots; a slot's rank among its expert's slots is the count its atomic add saw.
+    The ranks' order within an expert depends on timing, which changes no output: each slot's GEMM rows are
+    its own, and a token's k slots are summed in slot order afterwards."""
+    slots = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    ok = slots < num_slots
+    e = tl.load(ids_ptr + slots, mask=ok, other=0).to(tl.int32)
+    rank = tl.atomic_add(counts_ptr + e, 1, mask=ok)
+    tl.store(rank_ptr + slots, rank, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
+def _place_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_slots_ptr, block_experts_ptr,
+                  num_slots, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """Lays the runs out (each expert's, padded to BLOCK_M, in expert order; every program recomputes the
+    E-long prefix sum), then program p handles chunk p of the slots (each to its run start + rank), of the
+    places (padding ones get num_slots) and of the blocks (each block's expert, -1 past the runs)."""
+    experts = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)  # [E_P2]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    # The power-of-two padding experts are no runs: they must not count as ending before a place.
+    padded_end = tl.where(experts < num_experts, padded_end, 2147483647)
+    lanes = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+
+    slot_ok = lanes < num_slots
+    e = tl.load(ids_ptr + lanes, mask=slot_ok, other=0).to(tl.int32)
+    rank = tl.load(rank_ptr + lanes, mask=slot_ok, other=0)
+    start = tl.sum(tl.where(e[:, None] == experts[None, :], padded_start[None, :], 0), axis=1)  # [CHUNK]
+    tl.store(sorted_slots_ptr + start + rank, lanes, mask=slot_ok)
+
+    # A place's expert: the number of runs that end at or before it (an empty run ends where the one before
+    # does, so it is skipped); num_experts past the last run.
+    place_expert = tl.sum((padded_end[None, :] <= lanes[:, None]).to(tl.int32), axis=1)  # [CHUNK]
+    hit = place_expert[:, None] == experts[None, :]  # [CHUNK, E_P2]
+    in_run = lanes - tl.sum(tl.where(hit, padded_start[None, :], 0), axis=1)
+    pad = (place_expert >= num_experts) | (in_run >= tl.sum(tl.where(hit, counts[None, :], 0), axis=1))
+    # Padding places only: the slots' own places are written above, so no place is written twice.
+    tl.store(sorted_slots_ptr + lanes, num_slots + 0 * lanes, mask=(lanes < num_blocks * BLOCK_M) & pad)
+
+    block_expert = tl.sum((padded_end[None, :] <= (lanes * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_experts_ptr + lanes, tl.where(block_expert < num_experts, block_expert, -1),
+             mask=lanes < num_blocks)
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorts the slots (token * k + j) of ids: [T, k] by expert, each expert's run padded to a multiple of
+    """Groups the slots (token * k + j) of ids: [T, k] by expert, each expert's run padded to a multiple of
     block_m. Returns (sorted_slots [B * block_m] int32, padding = T * k; block_experts [B] int32, an expert
     id, or -1 for blocks past the end), B = ceil(T * k / block_m) + min(E, T * k): the most blocks any
-    routing needs (each expert that got a token adds at most one partly filled block)."""
-    flat = ids.flatten()  # [S] expert of each slot
-    num_slots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would read its max on the host
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = torch.cumsum(padded, 0)  # [E]
-    padded_start = padded_end - padded
-    run_start = torch.cumsum(counts, 0) - counts  # [E] where each expert's slots start in sorted order
-    order = torch.argsort(flat, stable=True)  # [S] slots by expert, in slot order within one
-    sorted_experts = flat[order]  # [S]
-    rank = torch.arange(num_slots, device=ids.device) - run_start[sorted_experts]  # [S] place within its run
+    routing needs (each expert that got a token adds at most one partly filled block). Slots of one expert
+    come in no set order. Two kernels (count, place): a chain of torch ops (count, cumsum, sort, scatter,
+    searchsorted) took ~55 us a layer at decode, more than the experts' GEMMs."""
+    num_slots = ids.numel()
     num_blocks = triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
-    sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=ids.device)
-    sorted_slots[padded_start[sorted_experts] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(num_blocks, device=ids.device) * block_m  # [B]
-    # An expert with no token has an empty run (padded_end equal to the one before): right=True skips it.
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True)  # [B] in 0..E
-    block_experts = torch.where(block_experts < num_experts, block_experts, _NO_EXPERT).to(torch.int32)
+    flat = ids.reshape(-1)  # [S] int64 (topk's), read as int32 by the kernels
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    rank = torch.empty(num_slots, dtype=torch.int32, device=ids.device)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    e_p2 = triton.next_power_of_2(num_experts)
+    # [CHUNK, E_P2] tiles in the placing kernel: keep them near 8K elements per program.
+    chunk = max(16, min(8192 // e_p2, 256))
+    _count_kernel[(triton.cdiv(num_slots, 256),)](flat, counts, rank, num_slots, CHUNK=256)
+    _place_kernel[(triton.cdiv(num_blocks * block_m, chunk),)](
+        flat, counts, rank, sorted_slots, block_experts, num_slots, num_experts, num_blocks,
+        BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, num_warps=4)
     return sorted_slots, block_experts
 
 
@@ -139,7 +184,7 @@ def _launch_config(num_slots: int, num_experts: int) -> dict[str, int]:
     """Block sizes by how many slots an expert gets on average: decode batches give most experts a token or
     two (small BLOCK_M, so padding costs little; the step is bound by reading the experts' weights), prefill
     gives them full blocks."""
-    if num_slots <= 4 * num_experts:
+    if num_slots <= 16 * num_experts:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 

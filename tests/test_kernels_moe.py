@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_graph_capture import capture
 from triton_interpret import needs_triton, run_interpreted
 
 from kiln.plugins import fused_moe
@@ -27,9 +28,11 @@ gen = torch.Generator().manual_seed(0)
 
 
 def check_alignment(tokens, experts, top_k, block_m):
+    # Every slot exactly once, in blocks of its expert; padding holds tokens * top_k.
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     ids[:, 0] = 0  # one crowded expert; others get none
     sorted_slots, block_experts = align_by_expert(ids, experts, block_m)
+    assert bool(((sorted_slots >= 0) & (sorted_slots <= tokens * top_k)).all()), "a place left unwritten"
     slots = sorted_slots.view(-1, block_m)
     seen = []
     for block, expert in enumerate(block_experts.tolist()):
@@ -59,7 +62,9 @@ def check(tokens, experts, top_k, hidden, inter, renormalize, force=None):
                                msg=lambda m: f"T={tokens} E={experts} k={top_k} {force}: {m}")
 
 
-for tokens, experts, top_k, block_m in ((1, 8, 2, 16), (7, 8, 2, 16), (40, 16, 4, 64), (3, 64, 8, 16)):
+# Decode and prefill sizes, one and several chunks of the alignment kernel, Qwen3-MoE's 128 experts.
+for tokens, experts, top_k, block_m in ((1, 8, 2, 16), (7, 8, 2, 16), (40, 16, 4, 64), (3, 64, 8, 16),
+                                        (128, 128, 8, 16), (300, 128, 8, 64)):
     check_alignment(tokens, experts, top_k, block_m)
 # Mixtral-like (softmax, top 2, renormalized), T = 1 (decode), 5, and 40 (BLOCK_M 64: prefill blocks)
 for tokens in (1, 5, 40):
@@ -115,14 +120,7 @@ def test_fused_moe_kernel_matches_reference_cuda(name, tokens):
 def test_fused_moe_kernel_replays_in_a_cuda_graph():
     x, logits, w_gate_up, w_down, top_k, renormalize = _inputs("qwen3-moe", 8)
     run = lambda: fused_moe(x, logits, w_gate_up, w_down, top_k=top_k, renormalize=renormalize)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture(run)
     # New routing in the same buffers: the graph must route afresh, not replay the captured assignment.
     x2, logits2, *_ = _inputs("qwen3-moe", 8, seed=1)
     x.copy_(x2)

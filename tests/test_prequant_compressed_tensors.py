@@ -222,11 +222,35 @@ def test_engine_records_the_scheme(engines, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_matches_the_dequantized_reference(engines, name):
     tokens, logprobs = _kiln_outputs(engines(name))
-    ref_tokens, ref_logprobs = _reference_outputs(reference_model(FIXTURES / name))
-    assert tokens == ref_tokens
+    model = reference_model(FIXTURES / name)
+    ref_tokens, ref_logprobs = _reference_outputs(model)
     # Both float32; what remains is the order of float32 sums (and, rarely, an activation a rounding step away
     # from another FP8/INT8 value).
     assert _worst(logprobs, ref_logprobs) < 2e-4
+    _assert_greedy_agrees(name, model, tokens, ref_tokens)
+
+
+def _assert_greedy_agrees(name: str, model, tokens: list[list[int]], ref_tokens: list[list[int]]) -> None:
+    """Equal greedy tokens; with dynamic (per-token) activation scales, kiln's tokens near-greedy under the
+    reference instead (_greedy_gaps)."""
+    if CASES[name]["qformat"] in ("fp8_dynamic", "int8_dynamic"):
+        assert max(_greedy_gaps(model, tokens)) < 0.1, (tokens, ref_tokens)
+    else:
+        assert tokens == ref_tokens
+
+
+def _greedy_gaps(model, outputs: list[list[int]]) -> list[float]:
+    """For each of kiln's greedy tokens, how far its logit under the reference (fed kiln's tokens so far)
+    falls below the reference's best. With activations quantized per token, a float32 sum one ulp apart
+    (transformers' order against kiln's) can move an activation to the neighbouring FP8/INT8 value, 6% away
+    for FP8: the next logits move by a few hundredths on these random models, and an argmax that close may
+    flip (seen with transformers 5.24, not 5.23). A wrong kernel moves them by far more than 0.1."""
+    gaps = []
+    with torch.no_grad():
+        for prompt, out in zip(PROMPTS, outputs):
+            logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()  # [new, V]
+            gaps += (logits.max(-1).values - logits.gather(-1, torch.tensor(out)[:, None])[:, 0]).tolist()
+    return gaps
 
 
 def _worst(logprobs: list[list[float]], ref: list[list[float]]) -> float:
@@ -238,7 +262,11 @@ def _worst(logprobs: list[list[float]], ref: list[list[float]]) -> float:
 # mismatch" in its load report); see vllm-project/llm-compressor#1618.
 _HF_ZERO_POINTS = pytest.mark.xfail(reason="transformers re-initializes packed weight_zero_point on loading",
                                     strict=False)
-HF_CASES = [pytest.param(name, marks=_HF_ZERO_POINTS) if CASES[name].get("zero_point") else name for name in CASES]
+# transformers 5.24 with compressed-tensors 0.20 loads kv_cache_scheme but no longer fake-quantizes the KV cache:
+# its outputs equal this file's reference without the FP8 KV step exactly (checked), kiln's keep the step.
+_HF_NO_KV_QUANT = pytest.mark.xfail(reason="transformers 5.24 does not fake-quantize the KV cache", strict=False)
+HF_CASES = [pytest.param(name, marks=_HF_ZERO_POINTS) if CASES[name].get("zero_point")
+            else pytest.param(name, marks=_HF_NO_KV_QUANT) if name == "fp8_kv" else name for name in CASES]
 
 
 @pytest.mark.parametrize("name", HF_CASES)
@@ -256,7 +284,7 @@ def test_engine_matches_transformers_loading_the_checkpoint(engines, name):
         assert _worst(hf_logprobs, ref_logprobs) < 1e-5
         assert _worst(logprobs, hf_logprobs) < 0.1
     else:
-        assert tokens == hf_tokens
+        _assert_greedy_agrees(name, model, tokens, hf_tokens)
         assert _worst(logprobs, hf_logprobs) < 2e-4
 
 

@@ -6,7 +6,7 @@ The reference computes what the block GEMM kernels do (DeepSeek's `w8a8_block_fp
 each group of b1 input columns is a float32 partial sum of FP8 products, multiplied by the token's scale of
 that group and then by the weight block's scale, and the groups are summed in float32. Products of two e4m3
 values are exact in float32, so what remains between reference and kernel is the order of the float32 sums.
-Pure torch ops: it runs on CUDA tensors as well until a kernel is registered.
+On CUDA the op runs the Triton kernel of triton_fp8_block_linear.py.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ._checks import (
     check_size,
 )
 from ._eager import runs_reference_directly
+from ._triton import USE_TRITON
 from .quant_linear import FP8_MAX, MIN_DYNAMIC_SCALE
 
 
@@ -133,3 +134,9 @@ def fp8_block_linear(
     check_same_device(**tensors)
     op = fp8_block_linear_reference if runs_reference_directly(x) else _fp8_block_linear_op
     return op(x, weight, weight_scale_inv, sizes, bias)
+
+
+if USE_TRITON:
+    from .triton_fp8_block_linear import fp8_block_linear_triton
+
+    _fp8_block_linear_op.register_kernel("cuda")(fp8_block_linear_triton)

@@ -9,8 +9,8 @@ Two operators, after the quantization formats kiln builds:
 
 The references follow "dequantize, compute in float32, round exactly as the GPU kernel will": each
 rounding step a kernel takes (activation quantization, the dequantized weight in the activation dtype)
-happens here too, so a kernel can be tested against them tightly. Pure torch ops: they run on CUDA tensors
-as well until the kernels are registered.
+happens here too, so a kernel can be tested against them tightly. On CUDA the ops run Triton kernels
+(triton_scaled_linear.py, triton_weight_only.py); KILN_DISABLE_TRITON=1 runs these references there too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ._checks import (
     check_size,
 )
 from ._eager import runs_reference_directly
+from ._triton import USE_TRITON
 from .int4_pack import unpack_int4
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -289,3 +290,11 @@ def weight_only_linear(
     check_same_device(x=x, qweight=qweight, **_optional(bias=bias, pre_quant_scale=pre_quant_scale))
     op = weight_only_linear_reference if runs_reference_directly(x) else _weight_only_linear_op
     return op(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx)
+
+
+if USE_TRITON:
+    from .triton_scaled_linear import scaled_linear_triton
+    from .triton_weight_only import weight_only_linear_triton
+
+    _scaled_linear_op.register_kernel("cuda")(scaled_linear_triton)
+    _weight_only_linear_op.register_kernel("cuda")(weight_only_linear_triton)

@@ -1,0 +1,238 @@
+"""Triton kernels behind `kiln::scaled_linear` on CUDA (semantics: plugins/quant_linear.py).
+
+Two launches:
+1. `quantize_activations_triton`: one program per (token, group of input columns) smooths x by
+   pre_quant_scale in float32, takes the group's scale (static: input_scale; dynamic: amax / qmax by IEEE
+   division, floored at MIN_DYNAMIC_SCALE) and stores x / scale saturated and rounded half to even as FP8
+   e4m3 or INT8, with the rounding code the quantized KV cache uses. The quantized activations and their
+   scales are the reference's bit for bit. scaled_linear uses one group per token (per-token scales);
+   fp8_block_linear (triton_fp8_block_linear.py) uses groups of b1 columns.
+2. `_scaled_mm_kernel`: a tiled GEMM on the quantized values. INT8 accumulates exactly in int32; FP8 in
+   float32, promoted out of the tensor cores' accumulator every BLOCK_K columns (Hopper's FP8 MMA keeps
+   fewer accumulator bits than float32, which over a long K costs real accuracy: DeepSeek-V3 §3.3.2). The
+   epilogue is the reference's: acc * s_x[t] * weight_scale[n] (+ bias) in float32, one rounding to x's
+   dtype, with FMA contraction off so each float32 op rounds as torch's do. INT8 outputs therefore equal the
+   reference's bit for bit; FP8 ones differ by the float32 summation order (and, in Hopper's wgmma tiles,
+   the short accumulator within one K step; 16-token tiles run mma.sync on the values widened to float16,
+   exact, with float32 sums).
+
+From 17 tokens on, an FP8 GEMM in bfloat16 without bias goes to cuBLASLt instead (torch._scaled_mm with
+row-wise scales: the same float32 epilogue, s_x[t] * weight_scale[n], with its own summation order).
+
+Every launch setting comes from shapes, never from tensor values, and the scales stay on the device: no
+host sync, so CUDA graphs capture the op.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant_linear import FP8_MAX, INT8_MAX, MIN_DYNAMIC_SCALE
+from .triton_attention import _sm_count
+from .triton_rotary_kv import _to_cache
+
+_MIN_SCALE = tl.constexpr(MIN_DYNAMIC_SCALE)
+_MAX_QUANT_BLOCK = 4096  # columns a quantization program holds at once; longer groups loop
+_BLOCK_K = 128  # GEMM K step: also FP8's promotion interval, as DeepSeek-V3's and vLLM's kernels use
+
+
+# --- activation quantization ---
+
+
+# Token counts change every step: specializing on them would only add recompiles.
+@triton.jit(do_not_specialize=["T"])
+def _quantize_kernel(x_ptr, pqs_ptr, scale_ptr, xq_ptr, sx_ptr, T, K, group_size,
+                     stride_xt, stride_qt, stride_st,
+                     QMAX: tl.constexpr, DYNAMIC: tl.constexpr, HAS_PQS: tl.constexpr, BLOCK: tl.constexpr):
+    """Token t = program 0, group g = program 1: columns [g * group_size, +group_size) of x_q, those at or
+    past K (a last group's padding) stored as zeros; s_x[t, g] the group's scale."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    start = g * group_size
+    if DYNAMIC:
+        amax = 0.0
+        for c0 in range(0, group_size, BLOCK):
+            cols = start + c0 + offs
+            xs = _load_smoothed(x_ptr + t * stride_xt, pqs_ptr, cols, (c0 + offs < group_size) & (cols < K),
+                                HAS_PQS)
+            amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=0))
+        # IEEE division, as the reference divides by a tensor; Triton's `/` on float32 is approximate.
+        scale = tl.maximum(tl.math.div_rn(amax, QMAX), _MIN_SCALE)
+    else:
+        scale = tl.load(scale_ptr)  # [1] float32 on the device: no host sync
+    for c0 in range(0, group_size, BLOCK):
+        cols = start + c0 + offs
+        in_group = c0 + offs < group_size
+        xs = _load_smoothed(x_ptr + t * stride_xt, pqs_ptr, cols, in_group & (cols < K), HAS_PQS)
+        # x / scale (div_rn), saturated to the format's range, rounded half to even: the KV cache's rounding.
+        tl.store(xq_ptr + t * stride_qt + cols, _to_cache(xs, scale, xq_ptr, True), mask=in_group)
+    tl.store(sx_ptr + t * stride_st + g, scale)
+
+
+@triton.jit
+def _load_smoothed(row_ptr, pqs_ptr, cols, mask, HAS_PQS: tl.constexpr):
+    # -> [BLOCK] float32: x.float() * pre_quant_scale, rounded once as the reference's; 0 where masked.
+    xs = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PQS:
+        xs = xs * tl.load(pqs_ptr + cols, mask=mask, other=0.0)
+    return xs
+
+
+def quantize_activations_triton(
+    x: torch.Tensor, qdtype: torch.dtype, group_size: int, input_scale: torch.Tensor | None = None,
+    pre_quant_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, K] float (last dim contiguous) -> (x_q [T, G * group_size] qdtype, s_x [T, G] float32),
+    G = ceil(K / group_size); columns past K are zeros.
+
+    qdtype: torch.float8_e4m3fn (qmax 448) or torch.int8 (qmax 127). input_scale: [1] float32, one static
+    scale (then group_size must be K), or None: each group's amax / qmax, floored at MIN_DYNAMIC_SCALE.
+    pre_quant_scale: [K] float32 multiplies x first. Bit-equal to scaled_linear_reference's x_q
+    (group_size = K) and to fp8_block_linear's quantize_activation_groups (group_size = b1).
+    """
+    t, k = x.shape
+    groups = triton.cdiv(k, group_size)
+    x_q = torch.empty((t, groups * group_size), dtype=qdtype, device=x.device)
+    s_x = torch.empty((t, groups), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return x_q, s_x
+    block = min(triton.next_power_of_2(group_size), _MAX_QUANT_BLOCK)
+    # Unused pointers get any tensor: their loads are compiled out by the constexpr flags.
+    pqs = x if pre_quant_scale is None else pre_quant_scale.contiguous()
+    _quantize_kernel[(t, groups)](
+        x, pqs, s_x if input_scale is None else input_scale, x_q, s_x, t, k, group_size,
+        x.stride(0), x_q.stride(0), s_x.stride(0),
+        QMAX=FP8_MAX if qdtype == torch.float8_e4m3fn else INT8_MAX, DYNAMIC=input_scale is None,
+        HAS_PQS=pre_quant_scale is not None, BLOCK=block,
+        num_warps=max(1, min(8, block // 256)), enable_fp_fusion=False)
+    return x_q, s_x
+
+
+# --- GEMM tiles, shared with triton_fp8_block_linear.py ---
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # tokens per tile: a power of two >= 16 (tl.dot's minimum)
+    block_n: int  # output features per tile
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(t: int, n: int, num_sms: int) -> GemmConfig:
+    """Tiles for a 1-byte-operand GEMM with K steps of 128, from shapes only (CUDA graphs replay them).
+
+    Decode (T <= 16) is memory-bound: 16-token tiles, and 32-column ones when 64 would leave SMs idle
+    (N = 6144 gives 96 tiles of 64 for 132 SMs), with deep pipelines to keep weight loads in flight. Prefill
+    grows the tile toward 128 x 128, where the 8-bit tensor cores stay busy; 3 stages of its 32 KiB of
+    operands also fit the 100 KiB of shared memory of sm_89 GPUs (L4, L40S).
+    """
+    block_m = 16 if t <= 16 else min(triton.next_power_of_2(t), 128)
+    if block_m <= 32:
+        block_n = 64 if triton.cdiv(t, block_m) * triton.cdiv(n, 64) >= num_sms else 32
+        return GemmConfig(block_m, block_n, num_warps=4, num_stages=5)
+    if block_m == 64:
+        return GemmConfig(64, 128, num_warps=4, num_stages=4)
+    return GemmConfig(128, 128, num_warps=8, num_stages=3)
+
+
+# --- scaled_linear ---
+
+
+@triton.jit(do_not_specialize=["T"])
+def _scaled_mm_kernel(a_ptr, w_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
+                      stride_at, stride_wn, stride_ot,
+                      INT8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of y = (x_q @ W^T) * s_x[rows] * weight_scale[cols] (+ bias)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] tokens
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    # Rows and columns past the edge read a valid one (modulo) instead of masking: loads stay unmasked along
+    # M and N, and the store drops them.
+    a_rows = (rows % T).to(tl.int64)
+    w_rows = (cols % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    if INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k  # [BLOCK_K] input features
+        a_offs = a_rows[:, None] * stride_at + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        w_offs = w_rows[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]: W's rows are K-major
+        if EVEN_K:
+            a = tl.load(a_ptr + a_offs)
+            w = tl.load(w_ptr + w_offs)
+        else:  # zeros past K add nothing
+            a = tl.load(a_ptr + a_offs, mask=(ks < K)[None, :], other=0.0)
+            w = tl.load(w_ptr + w_offs, mask=(ks < K)[None, :], other=0.0)
+        if INT8:
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # exact integer sums
+        else:
+            # Products of e4m3 values are exact; the sums move to the float32 accumulator every BLOCK_K.
+            acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
+    s_x = tl.load(sx_ptr + a_rows)  # [BLOCK_M] float32
+    w_scale = tl.load(ws_ptr + w_rows)  # [BLOCK_N] float32
+    y = acc.to(tl.float32) * s_x[:, None] * w_scale[None, :]  # the reference's order: (acc * s_x) * w_scale
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+    out_mask = (rows < T)[:, None] & (cols < N)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Tokens from which the FP8 GEMM goes to cuBLASLt: below, the Triton kernel's 16-row tiles read the weight
+# at least as fast (decode is bound by the weight's bytes); above, cuBLASLt's wgmma kernels win prefill and
+# large batches.
+CUBLASLT_MIN_TOKENS = 17
+
+
+def _takes_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether FP8 x_q @ weight^T runs as torch._scaled_mm (cuBLASLt, row-wise scales): FP8 weights on a GPU
+    with FP8 tensor cores (compute capability 8.9+), bfloat16 out (what row-wise scaling supports), no bias
+    (the bias would round in another place than the reference's), dims multiples of 16 (cuBLASLt's rule)."""
+    t, k = x.shape
+    n = weight.shape[0]
+    return (weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16 and bias is None
+            and t >= CUBLASLT_MIN_TOKENS and k % 16 == 0 and n % 16 == 0 and _has_fp8_tensor_cores(x.device))
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                         pre_quant_scale: torch.Tensor | None) -> torch.Tensor:
+    """kiln::scaled_linear on CUDA. x: [T, K] float; weight: [N, K] float8_e4m3fn / int8, contiguous;
+    weight_scale: [N] float32; input_scale: [1] float32 or None (dynamic per token); bias: [N] x.dtype;
+    pre_quant_scale: [K] float32 -> [T, N] x.dtype. Arguments as checked by quant_linear.scaled_linear."""
+    t, k = x.shape
+    n = weight.shape[0]
+    out = x.new_empty((t, n))
+    if out.numel() == 0:
+        return out
+    x_q, s_x = quantize_activations_triton(x, weight.dtype, k, input_scale, pre_quant_scale)  # [T, K], [T, 1]
+    if _takes_cublaslt(x, weight, bias):
+        # weight.t(): [K, N] column-major, the layout cuBLASLt's FP8 GEMM wants for its second operand.
+        return torch._scaled_mm(x_q, weight.t(), scale_a=s_x, scale_b=weight_scale.view(1, n),
+                                out_dtype=x.dtype, use_fast_accum=False)
+    cfg = gemm_config(t, n, _sm_count(x.device))
+    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _scaled_mm_kernel[grid](
+        # The [N] vectors are read as contiguous (a no-op for the contiguous ones the layers hold).
+        x_q, weight, s_x, weight_scale.contiguous(), x if bias is None else bias.contiguous(), out, t, n, k,
+        x_q.stride(0), weight.stride(0), out.stride(0),
+        INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, EVEN_K=k % _BLOCK_K == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=_BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # A fused multiply-add would skip a rounding of the reference's epilogue.
+        enable_fp_fusion=False)
+    return out

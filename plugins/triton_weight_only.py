@@ -1,0 +1,233 @@
+"""Triton kernel behind `kiln::weight_only_linear` on CUDA (semantics: plugins/quant_linear.py).
+
+A tiled GEMM: a program owns a BLOCK_M x BLOCK_N tile of y = x @ W^T and walks K in BLOCK_K steps. Each
+step loads the quantized weight tile as stored (INT4: two columns a byte, so BLOCK_K // 2 bytes a row;
+INT8: one), dequantizes it in registers exactly as the reference does (q = u - zero point in float32, times
+the group's float32 scale, one rounding to x's dtype) and feeds tl.dot with float32 accumulation. x is
+smoothed by pre_quant_scale in float32 and rounded to its dtype first, as the reference does; the bias is
+added in float32 and the output rounded once. The dequantized weights and smoothed activations are thus the
+reference's bit for bit; only the float32 summation order differs.
+
+Scales: when a BLOCK_K step lies inside one group (group_size a multiple of BLOCK_K, no g_idx) each row reads
+one scale (and zero point) a step; otherwise (act-order g_idx, small or odd groups) every column gathers its
+own, which costs more loads but is correct for any group_size dividing K.
+
+Split-K: when the output has fewer tiles than the GPU has SMs (decode, small N), K is cut into SPLIT_K
+contiguous ranges whose float32 partial sums go to a workspace that a second kernel adds in a fixed order
+(deterministic, unlike atomics), then adds the bias and rounds. Every launch setting comes from shapes only,
+never from tensor values, so CUDA graphs capture and replay it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _weight_only_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, pqs_ptr, out_ptr,
+                        T, N, K, group_size, k_per_split, stride_xm, stride_qn, stride_sn, stride_sg,
+                        stride_zn, stride_zg, stride_gk, stride_b, stride_pk, stride_om, stride_split,
+                        BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                        GROUP_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PQS: tl.constexpr,
+                        EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N output tile over K range [split * k_per_split, +k_per_split) ∩ [0, K).
+    SPLIT_K == 1 writes y in x's dtype; SPLIT_K > 1 writes the float32 partial to out_ptr[split]."""
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] tokens
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    # Rows and columns past the edge read a valid row (modulo) instead of masking: the weight loads stay
+    # unmasked along N (vectorized), and the store masks them out.
+    x_rows = (rows % T).to(tl.int64)
+    w_rows = (cols % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k  # [BLOCK_K] input features
+        k_ok = ks < K
+        x_offs = x_rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        if EVEN_K:
+            xt = tl.load(x_ptr + x_offs)
+        else:
+            xt = tl.load(x_ptr + x_offs, mask=k_ok[None, :], other=0.0)
+        if HAS_PQS:
+            pqs = tl.load(pqs_ptr + ks * stride_pk, mask=k_ok, other=0.0)  # [BLOCK_K] float32
+            xt = (xt.to(tl.float32) * pqs[None, :]).to(dtype)
+
+        if BITS == 4:
+            # Byte j of a row holds column 2j (low nibble) and 2j + 1 (high): joining (low, high) on a new last
+            # axis and flattening it puts them back in column order.
+            bytes_k = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K // 2]
+            q_offs = w_rows[:, None] * stride_qn + bytes_k[None, :]  # [BLOCK_N, BLOCK_K // 2]
+            if EVEN_K:
+                packed = tl.load(qw_ptr + q_offs)
+            else:
+                packed = tl.load(qw_ptr + q_offs, mask=(bytes_k < K // 2)[None, :], other=0)
+            u = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+        else:
+            q_offs = w_rows[:, None] * stride_qn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+            if EVEN_K:
+                u = tl.load(qw_ptr + q_offs).to(tl.float32)
+            else:
+                u = tl.load(qw_ptr + q_offs, mask=k_ok[None, :], other=0).to(tl.float32)
+
+        if GROUP_ALIGNED:  # the whole step is one group: one scale (and zero point) per row
+            g = k0 // group_size
+            s = tl.load(scales_ptr + w_rows * stride_sn + g * stride_sg)[:, None]  # [BLOCK_N, 1]
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + w_rows * stride_zn + g * stride_zg)[:, None]
+        else:  # a group per column: gathered (columns past K read group 0 / the last group, any valid one)
+            if HAS_G_IDX:
+                g = tl.load(g_idx_ptr + ks * stride_gk, mask=k_ok, other=0)  # [BLOCK_K] int32
+            else:
+                g = tl.minimum(ks, K - 1) // group_size
+            s = tl.load(scales_ptr + w_rows[:, None] * stride_sn + g[None, :] * stride_sg)  # [BLOCK_N, BLOCK_K]
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + w_rows[:, None] * stride_zn + g[None, :] * stride_zg)
+        if HAS_ZEROS:
+            q = u - z.to(tl.float32)
+        elif BITS == 4:
+            q = u - 8.0  # symmetric INT4 stores q + 8
+        else:
+            q = u  # symmetric INT8 is stored signed
+        w = (q * s).to(dtype)  # [BLOCK_N, BLOCK_K]: the reference's dequantized weight, bit for bit
+        acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+    out_mask = (rows < T)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)  # T * N may pass 2**31 (a long prefill through the lm_head)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + w_rows * stride_b).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        part = out_ptr + split * stride_split + rows[:, None] * stride_om + cols[None, :]
+        tl.store(part, acc, mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, N, stride_split, stride_pm, stride_b, stride_om,
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, cols] = sum over splits, in split order, of part[split, m, cols] (+ bias), rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + split * stride_split + row * stride_pm + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_m: int  # tokens per tile: a power of two >= 16 (tl.dot's minimum)
+    block_n: int  # output features per tile
+    block_k: int  # input features per loop step: a power of two >= 16
+    group_aligned: bool  # every step lies in one group: one scale per row a step
+    split_k: int  # K ranges summed by _sum_splits_kernel; 1 writes y directly
+    k_per_split: int  # a multiple of block_k
+    num_warps: int
+    num_stages: int
+
+
+_MAX_BLOCK_K = 128
+_MIN_STEPS_PER_SPLIT = 4  # shorter K ranges cost more in partial traffic than their parallelism brings
+_MAX_SPLIT_K = 16
+
+
+def _launch_config(t: int, n: int, k: int, bits: int, group_size: int, has_g_idx: bool,
+                   num_sms: int) -> _LaunchConfig:
+    """Tile sizes, group alignment and split-K from shapes only (never tensor values: CUDA graphs replay)."""
+    block_m = 16 if t <= 16 else min(triton.next_power_of_2(t), 128)
+    decode = block_m <= 32  # memory-bound: stream long K steps through few rows
+    block_n = 64 if block_m <= 64 else 128
+    # The largest power of two up to the cap that divides group_size keeps every step in one group.
+    cap = _MAX_BLOCK_K if decode else 64
+    block_k = min(cap, group_size & -group_size)
+    group_aligned = not has_g_idx and block_k >= 16
+    if not group_aligned:
+        block_k = cap
+    tiles = triton.cdiv(t, block_m) * triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    split_k = 1
+    if tiles < num_sms:  # too few tiles to fill the GPU: spread K over more programs
+        # The float32 partials (split_k * T * N * 4 bytes, written and read back) stay within the weight's
+        # own bytes (N * K * bits / 8): decode splits freely, a 128-token prefill only a little.
+        traffic_cap = k * bits // (32 * t)
+        split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), k_steps // _MIN_STEPS_PER_SPLIT, _MAX_SPLIT_K,
+                             traffic_cap))
+    steps_per_split = triton.cdiv(k_steps, split_k)
+    split_k = triton.cdiv(k_steps, steps_per_split)  # no empty ranges
+    num_warps = 4 if block_m * block_n <= 64 * 64 else 8
+    num_stages = 4 if decode else 3
+    return _LaunchConfig(block_m, block_n, block_k, group_aligned, split_k, steps_per_split * block_k,
+                         num_warps, num_stages)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (CPU tensors): an H100's count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _stride(vector: torch.Tensor | None) -> int:
+    return 0 if vector is None else vector.stride(0)
+
+
+def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx,
+            cfg: _LaunchConfig) -> torch.Tensor:
+    t, k = x.shape
+    n = qweight.shape[0]
+    out = x.new_empty((t, n))
+    # Unused pointer arguments get any tensor: their loads are compiled out by the constexpr flags.
+    part = out if cfg.split_k == 1 else torch.empty((cfg.split_k, t, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _weight_only_kernel[grid](
+        x, qweight, scales, scales if zeros is None else zeros, x if g_idx is None else g_idx,
+        x if bias is None else bias, x if pre_quant_scale is None else pre_quant_scale, part,
+        t, n, k, group_size, cfg.k_per_split, x.stride(0), qweight.stride(0), *scales.stride(),
+        *(zeros.stride() if zeros is not None else (0, 0)), _stride(g_idx), _stride(bias), _stride(pre_quant_scale),
+        part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, GROUP_ALIGNED=cfg.group_aligned,
+        HAS_BIAS=bias is not None, HAS_PQS=pre_quant_scale is not None, EVEN_K=k % cfg.block_k == 0,
+        SPLIT_K=cfg.split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        block = 256
+        _sum_splits_kernel[(t, triton.cdiv(n, block))](
+            part, x if bias is None else bias, out, n, part.stride(0), part.stride(1), _stride(bias), out.stride(0),
+            SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def weight_only_linear_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None,
+    pre_quant_scale: torch.Tensor | None,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """kiln::weight_only_linear on CUDA; arguments as weight_only_linear_reference (checked by the wrapper).
+    x: [T, K] (last dim contiguous); qweight: [N, K // 2] uint8 (4 bits) or [N, K] int8 / uint8 (8 bits);
+    scales, zeros: [N, K // group_size]; bias: [N]; pre_quant_scale, g_idx: [K] -> [T, N] in x's dtype."""
+    t, n = x.shape[0], qweight.shape[0]
+    if t == 0 or n == 0:
+        return x.new_empty((t, n))
+    cfg = _launch_config(t, n, x.shape[1], bits, group_size, g_idx is not None, _sm_count(x.device))
+    return _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx, cfg)

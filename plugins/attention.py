@@ -136,7 +136,12 @@ def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCach
         k[:, first:].masked_fill_(hidden, 0.0)
         v[:, first:].masked_fill_(hidden, 0.0)
         allowed = allowed[:, None, None, :]  # [B, 1, 1, L]
-    out = _attend(q.float()[:, :, None], k.transpose(1, 2), v.transpose(1, 2), allowed, scale)[:, :, 0]
+    # One query per sequence: the Hq // Hk query heads of a KV head attend as that head's Hq // Hk queries
+    # ([B, Hk, G, D], heads h -> h // G as GQA maps them), so the keys and values are read once, where
+    # enable_gqa would expand them G times (half the CPU time of a decode batch's attention).
+    batch, heads, dim = q.shape
+    grouped = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)  # [B, Hk, G, D]
+    out = _attend(grouped, k.transpose(1, 2), v.transpose(1, 2), allowed, scale).reshape(batch, heads, dim)
     if shortest == 0:  # a row with no key to attend to is NaN after the softmax
         out = out.nan_to_num_(0.0)
     return out.to(q.dtype)  # [B, Hq, D]

@@ -103,6 +103,21 @@ split = dataclasses.replace(cfg, block_k=16, split_k=3, k_per_split=48)
 check(5, 40, 128, 16, extras=True, cfg=split)
 check(1, 40, 128, 16, act_order=True, extras=True, cfg=dataclasses.replace(split, group_aligned=False))
 
+# From DEQUANT_MIN_TOKENS tokens: the weight dequantized by its own kernel (bit for bit the reference's), then
+# one GEMM.
+from kiln.plugins.quant_linear import dequantize_weight
+from kiln.plugins.triton_dequantize import dequantize_weight_triton
+from kiln.plugins.triton_weight_only import DEQUANT_MIN_TOKENS
+
+for group_size, act_order in ((32, False), (128, False), (32, True)):
+    qweight, scales, zeros, g_idx = weight_only_case(40, 128, BITS, ASYMMETRIC, group_size, act_order, gen)
+    for dtype in (torch.float16, torch.float32):
+        want = dequantize_weight(qweight, scales, zeros, BITS, group_size, dtype, g_idx)
+        got = dequantize_weight_triton(qweight, scales, zeros, BITS, group_size, dtype, g_idx)
+        assert got.dtype == dtype and torch.equal(got, want), f"dequantized {BITS} {group_size} {act_order}"
+check(DEQUANT_MIN_TOKENS, 40, 128, 32, act_order=True, extras=True)
+check(DEQUANT_MIN_TOKENS + 6, 40, 64, 64, extras=True, dtype=torch.float32)
+
 # No tokens: an empty [0, N] result, no launch.
 qweight, scales, zeros, _ = weight_only_case(8, 64, BITS, ASYMMETRIC, 32, False, gen)
 empty = weight_only_linear_triton(torch.zeros(0, 64, dtype=torch.float16), qweight, scales, zeros, BITS, 32,

@@ -90,6 +90,25 @@ def test_tp2_scheduling_features_equal_tp1(llama_pair):
     assert stats["free_blocks"] == stats["total_blocks"] == 10
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_target_with_speculative_decoding_gives_tp1_tokens(llama_pair, method):
+    """Speculation over a TP=2 target: the verify steps (1 + K rows a request) reach rank 1 like any step, and
+    rejected slots are given back on both ranks. The draft is the TP=1 engine of the same checkpoint."""
+    tp1, tp2 = llama_pair
+    prompts = PROMPTS + [[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]]  # repeats for n-gram lookup
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(tp1)
+    expected, _ = generate(tp1, prompts, GREEDY)
+    with LLM(tp2, speculative_config=spec) as llm:
+        got = llm.generate(prompts, GREEDY)
+        stats = llm.kv_cache_stats()
+        speculation = llm.speculation_stats()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert speculation["num_draft_tokens"] > 0 and speculation["num_accepted_tokens"] > 0
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
 def test_tp2_seeded_sampling_and_logprobs_equal_tp1(llama_pair):
     tp1, tp2 = llama_pair
     params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7 + i, logprobs=True, ignore_eos=True)

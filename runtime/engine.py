@@ -160,10 +160,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._pending)
 
     # ---- one step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine iteration, pipelined one step deep: wait for the step in flight and advance its
         requests; schedule and launch the next step; then, while the GPU runs it, turn the finished step's
-        tokens into text and outputs. Returns an update for every request that produced a token.
+        tokens into text and outputs. Returns an update for every request that produced a token, or with
+        `final_only` for every request that finished (vLLM's FINAL_ONLY: no cumulative copy of each running
+        request's tokens, text and logprobs every step, which at batch 256 is host time the GPU waits for).
 
         A stop string is therefore seen one step late: the request has already been scheduled once more,
         and that extra token is dropped. EOS, stop token ids and max_tokens end a request before the next
@@ -179,7 +181,7 @@ class LLMEngine:
         if not scheduled.is_empty:
             self._inflight = self._launch(scheduled)
         pending, self._pending = self._pending, []
-        outputs = (self._emit(*item) for item in pending)
+        outputs = (self._emit(*item, final_only=final_only) for item in pending)
         return [out for out in outputs if out is not None]
 
     def _launch(self, scheduled: SchedulerOutput) -> _Launched:
@@ -266,9 +268,11 @@ class LLMEngine:
             del self._tracked[request_id]
             self._release(request_id)
 
-    def _emit(self, tracked: TrackedRequest, token: int, index: int, add_text: bool) -> RequestOutput | None:
+    def _emit(self, tracked: TrackedRequest, token: int, index: int, add_text: bool,
+              final_only: bool = False) -> RequestOutput | None:
         """Adds a token's text (ending the request if it completes a stop string) and builds the update;
-        None for a token after a stop string that ended its request within the same step."""
+        None for a token after a stop string that ended its request within the same step, and with
+        `final_only` for any but a finished request's last token."""
         request = tracked.request
         if index >= len(request.output_token_ids):
             return None
@@ -283,6 +287,8 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 del self._tracked[request.request_id]
                 self._release(request.request_id)
+        if final_only and not (request.status.finished and index == len(request.output_token_ids) - 1):
+            return None
         return tracked.output()
 
     def _release(self, request_id: str) -> None:

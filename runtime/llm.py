@@ -97,9 +97,8 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
+                for out in self.engine.step(final_only=True):
+                    final[out.request_id] = out
         except BaseException:
             for request_id in ids:
                 if request_id not in final:

@@ -1,7 +1,7 @@
 """Triton kernels behind kiln::fused_moe on CUDA: grouped GEMMs over expert-sorted tokens.
 
-As the fused-MoE kernels of vLLM and SGLang do, each token's top-k (token, expert) slots are sorted by expert
-and each expert's run is padded to a multiple of BLOCK_M, so one program's BLOCK_M rows all use one expert's
+As the fused-MoE kernels of vLLM and SGLang do, each token's top-k (token, expert) slots are grouped by
+expert and each expert's run is padded to a multiple of BLOCK_M, so one program's BLOCK_M rows all use one expert's
 weights. Two kernels then run over those blocks:
 
 - gate/up: h[slot] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T), gate and up accumulated side by side
@@ -13,7 +13,7 @@ here too: the GEMM outputs, silu, the product with up, the down output and its p
 weight are each rounded to x's dtype, so what differs is only the order of the float32 sums (in the GEMMs,
 and the final k-way sum that the reference adds in x's dtype).
 
-Everything is sized by the number of tokens only, never by how they route: the sort, the padding and the
+Everything is sized by the number of tokens only, never by how they route: the grouping, the padding and the
 grid (an upper bound on the number of blocks; blocks past the end exit at once) are device ops with no host
 read, so an MoE step is captured in a CUDA graph like any other.
 """

@@ -80,3 +80,29 @@ def test_prompt_fully_cached_still_computes_its_last_token(engine_dir):
     b = llm.generate(prompt, sp)[0]
     assert a.token_ids == b.token_ids
     assert b.num_cached_tokens == 12  # the block holding the last prompt token is recomputed
+
+
+def test_final_only_steps_hand_out_each_request_once_as_it_finished(tiny_code_engine):
+    """engine.step(final_only=True) (what LLM.generate runs) returns a request only when it has finished, once,
+    with the same tokens, text and finish reason as the last cumulative update of a plain step() loop; a stop
+    string that ends a request mid-step included."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "x = 1"]
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(max_tokens=40, temperature=0.0, stop=["\n"]))  # ends on its first newline
+
+    def run(final_only):
+        with LLM(tiny_code_engine) as llm:
+            ids = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            last, seen = {}, []
+            while llm.engine.has_unfinished():
+                for out in llm.engine.step(final_only=final_only):
+                    seen.append(out.finished)
+                    last[out.request_id] = out
+            return [last[i] for i in ids], seen
+
+    cumulative, seen_all = run(False)
+    final, seen_final = run(True)
+    assert not all(seen_all) and all(seen_final) and len(seen_final) == len(prompts)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in final] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in cumulative]
+    assert final[3].finish_reason == "stop" and "\n" not in final[3].text

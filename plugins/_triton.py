@@ -8,7 +8,19 @@ the top, so import them only when `USE_TRITON` is true.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
+import torch
+
 USE_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("KILN_DISABLE_TRITON", "0") != "1"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which the kernels' launch heuristics size their grids by; 132 (an
+    H100's) for CPU tensors, i.e. under Triton's interpreter."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

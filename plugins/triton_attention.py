@@ -23,12 +23,13 @@ without any of it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ._triton import sm_count as _sm_count
 
 LOG2E = 1.4426950408889634
 # The running max starts finite: a row whose keys are all masked so far keeps exp2(-inf - m) = 0 and
@@ -279,13 +280,6 @@ def _launch_config(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     programs = num_seqs * num_kv_heads
     splits = min(-(-2 * num_sms // programs), max_context // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
     return _LaunchConfig(block_m, block_n, num_warps, num_stages, max(splits, 1))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter (CPU tensors): an H100's count
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention_triton(

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _sm_count
+from ._triton import sm_count as _sm_count
 from .triton_scaled_linear import gemm_config, quantize_activations_triton
 
 

@@ -23,7 +23,6 @@ triton_dequantize.py and multiplied by cuBLAS (F.linear).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._triton import sm_count as _sm_count
 from .triton_dequantize import dequantize_weight_triton
 
 
@@ -183,13 +183,6 @@ def _launch_config(t: int, n: int, k: int, bits: int, group_size: int, has_g_idx
     num_stages = 4 if decode else 3
     return _LaunchConfig(block_m, block_n, block_k, group_aligned, split_k, steps_per_split * block_k,
                          num_warps, num_stages)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter (CPU tensors): an H100's count
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _stride(vector: torch.Tensor | None) -> int:

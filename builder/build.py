@@ -264,6 +264,22 @@ def _producer(config: BuildConfig, reader: CheckpointReader | None, model_def: M
     return produce, kind
 
 
+def _kernel_settings(config: BuildConfig, model_def: ModelDef, model_config: ModelConfig, dtype: torch.dtype,
+                     quant: QuantConfig | None, mapping: Mapping) -> dict[str, Any]:
+    """target.kernel_settings: the tunable kernels' winners timed on this GPU (device cuda with tune), else {}.
+    Every rank of a tensor-parallel engine has rank 0's shapes."""
+    from kiln.plugins._triton import USE_TRITON
+
+    if config.device != "cuda" or not config.tune or not USE_TRITON:
+        return {}
+    from .tune import tune_kernels
+
+    with torch.device("meta"):
+        network = build_network(model_def, model_config, quant, dataclasses.replace(mapping, tp_rank=0),
+                                dtype=dtype)
+    return tune_kernels(network, dtype, torch.device("cuda", torch.cuda.current_device()))
+
+
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: BuildConfig | None = None,
                  *, progress: bool = True) -> Path:
     """Builds an engine from a Hugging Face checkpoint directory; returns the engine directory."""
@@ -322,6 +338,8 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
             raise BuildError(str(e)) from e
         except QuantError as e:
             raise BuildError(str(e)) from None
+        target["kernel_settings"] = _kernel_settings(config, model_def, model_config, torch_dtype,
+                                                     None if plan is None else plan.quant, mapping)
         files = {**{rank_file_name(r): FileEntry(w.size, w.sha256) for r, w in enumerate(written)},
                  **copy_tokenizer(checkpoint, staging)}
         build = EngineBuildConfig(

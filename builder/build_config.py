@@ -29,6 +29,9 @@ class BuildConfig:
     # weights do not fit the disk)
     weights_at_load: bool = False
     tp_size: int = 1  # tensor-parallel ranks the engine is split over (rank<N>.safetensors each)
+    # device cuda: time the tunable kernels' launch settings at the engine's shapes on this GPU and record the
+    # winners in target.kernel_settings (builder/tune.py); False leaves the runtime its shape heuristics
+    tune: bool = True
     # Quantization (TensorRT-LLM's names): the weights' format and the KV cache's dtype.
     qformat: str = "full_prec"
     kv_cache_dtype: str = "auto"  # auto = the engine dtype

@@ -23,6 +23,7 @@ triton_dequantize.py and multiplied by cuBLAS (F.linear).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._triton import sm_count as _sm_count
 from .triton_dequantize import dequantize_weight_triton
 
@@ -156,33 +158,69 @@ _MIN_STEPS_PER_SPLIT = 4  # shorter K ranges cost more in partial traffic than t
 _MAX_SPLIT_K = 16
 
 
+def _block_m(t: int) -> int:
+    return 16 if t <= 16 else min(triton.next_power_of_2(t), 128)
+
+
+def config_with(t: int, k: int, group_size: int, has_g_idx: bool, *, block_n: int, block_k: int, split_k: int,
+                num_warps: int, num_stages: int) -> _LaunchConfig:
+    """A launch with these settings (tuned or heuristic) for T tokens and K input features: the K ranges
+    rounded to whole steps (no empty split), steps inside one group where block_k allows it."""
+    group_aligned = not has_g_idx and block_k <= group_size and group_size % block_k == 0
+    k_steps = triton.cdiv(k, block_k)
+    steps_per_split = triton.cdiv(k_steps, max(1, min(split_k, k_steps)))
+    split_k = triton.cdiv(k_steps, steps_per_split)
+    return _LaunchConfig(_block_m(t), block_n, block_k, group_aligned, split_k, steps_per_split * block_k,
+                         num_warps, num_stages)
+
+
 def _launch_config(t: int, n: int, k: int, bits: int, group_size: int, has_g_idx: bool,
                    num_sms: int) -> _LaunchConfig:
-    """Tile sizes, group alignment and split-K from shapes only (never tensor values: CUDA graphs replay)."""
-    block_m = 16 if t <= 16 else min(triton.next_power_of_2(t), 128)
+    """Tile sizes, group alignment and split-K from shapes only (never tensor values: CUDA graphs replay).
+    Timed on an H100 at the Llama-3.1-8B shapes, decode wants wide N tiles and about 8 K ranges (0.7-0.9 TB/s
+    with 64-wide tiles and K split to fill the SMs once, 0.8-1.2 TB/s so); an engine built for a GPU replaces
+    this with the winners timed there (tuning_key, builder/tune.py)."""
+    block_m = _block_m(t)
     decode = block_m <= 32  # memory-bound: stream long K steps through few rows
-    block_n = 64 if block_m <= 64 else 128
+    block_n = 128 if decode else (64 if block_m <= 64 else 128)
     # The largest power of two up to the cap that divides group_size keeps every step in one group.
     cap = _MAX_BLOCK_K if decode else 64
     block_k = min(cap, group_size & -group_size)
-    group_aligned = not has_g_idx and block_k >= 16
-    if not group_aligned:
+    if has_g_idx or block_k < 16:
         block_k = cap
     tiles = triton.cdiv(t, block_m) * triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
     split_k = 1
-    if tiles < num_sms:  # too few tiles to fill the GPU: spread K over more programs
+    if tiles < 8 * num_sms:  # too few tiles to keep every SM streaming: spread K over more programs
         # The float32 partials (split_k * T * N * 4 bytes, written and read back) stay within the weight's
         # own bytes (N * K * bits / 8): decode splits freely, a 128-token prefill only a little.
         traffic_cap = k * bits // (32 * t)
-        split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), k_steps // _MIN_STEPS_PER_SPLIT, _MAX_SPLIT_K,
-                             traffic_cap))
-    steps_per_split = triton.cdiv(k_steps, split_k)
-    split_k = triton.cdiv(k_steps, steps_per_split)  # no empty ranges
-    num_warps = 4 if block_m * block_n <= 64 * 64 else 8
-    num_stages = 4 if decode else 3
-    return _LaunchConfig(block_m, block_n, block_k, group_aligned, split_k, steps_per_split * block_k,
-                         num_warps, num_stages)
+        split_k = max(1, min(triton.cdiv(8 * num_sms, tiles), k_steps // _MIN_STEPS_PER_SPLIT, _MAX_SPLIT_K,
+                             traffic_cap, 8))
+    num_warps = 4 if block_m * block_n <= 64 * 128 or decode else 8
+    return config_with(t, k, group_size, has_g_idx, block_n=block_n, block_k=block_k, split_k=split_k,
+                       num_warps=num_warps, num_stages=3)
+
+
+TUNED_KERNEL = "weight_only_linear"  # its name in target.kernel_settings
+
+
+def tuning_key(t: int, n: int, k: int, bits: int, group_size: int, has_g_idx: bool, has_zeros: bool) -> str:
+    """The shape key of a launch in the tuning table: tokens by tile height (launches of one block_m share
+    their compiled kernel and their best settings), then the weight's shape and format."""
+    return (f"m{_block_m(t)}_n{n}_k{k}_int{bits}{'_zp' if has_zeros else ''}_g{group_size}"
+            f"{'_act' if has_g_idx else ''}")
+
+
+def tuning_candidates() -> tuple[list[dict], Callable[[dict], list[dict]]]:
+    """What build-time tuning (builder/tune.py) times, in two rounds: tiles and K ranges at one warp count and
+    pipeline depth, then warps and depths around the best of those; settings as config_with takes them."""
+    first = [{"block_n": bn, "block_k": bk, "split_k": split, "num_warps": 4, "num_stages": 3}
+             for bn in (64, 128) for bk in (64, 128) for split in (1, 2, 4, 8, 16)]
+
+    def second(best: dict) -> list[dict]:
+        return [{**best, "num_warps": w, "num_stages": st} for w in (2, 4, 8) for st in (2, 3, 4)]
+    return first, second
 
 
 def _stride(vector: torch.Tensor | None) -> int:
@@ -237,5 +275,8 @@ def weight_only_linear_triton(
         w = dequantize_weight_triton(qweight, scales, zeros, bits, group_size, x.dtype, g_idx)  # [N, K]
         xs = x if pre_quant_scale is None else (x.float() * pre_quant_scale).to(x.dtype)
         return F.linear(xs, w, bias)
-    cfg = _launch_config(t, n, x.shape[1], bits, group_size, g_idx is not None, _sm_count(x.device))
+    k, has_g_idx = x.shape[1], g_idx is not None
+    tuned = tuning.lookup(TUNED_KERNEL, tuning_key(t, n, k, bits, group_size, has_g_idx, zeros is not None))
+    cfg = (config_with(t, k, group_size, has_g_idx, **tuned) if tuned else
+           _launch_config(t, n, k, bits, group_size, has_g_idx, _sm_count(x.device)))
     return _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx, cfg)

@@ -31,6 +31,7 @@ from kiln.model_defs.layers.parallel import TPComm
 from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.spec import QuantSpec
 
+from .kernel_settings import install_kernel_settings
 from .memory import check_fraction
 
 logger = logging.getLogger("kiln.runtime")
@@ -191,14 +192,9 @@ def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch
         raise EngineError(f"engine {spec.engine_dir} was built for device type {target!r} but is loaded on "
                           f"{dev.type!r}: {run_there}, or rebuild it with `kiln build --device {dev.type}` (same "
                           f"--checkpoint, another --output) to run on {dev.type}")
-    if dev.type == "cuda":
-        cc = list(torch.cuda.get_device_capability(dev))
-        built_cc = spec.target.get("compute_capability")
-        if built_cc is not None and list(built_cc) != cc:
-            raise EngineError(
-                f"engine {spec.engine_dir} was tuned for {spec.target.get('gpu_name')} (compute capability "
-                f"{built_cc}) but this GPU is {torch.cuda.get_device_name(dev)} ({cc}); rebuild it for this GPU"
-            )
+    # A GPU other than the build's (another compute capability included) runs the engine: Triton compiles
+    # the kernels for the GPU they run on; only the build's kernel tuning is the other GPU's, which
+    # kernel_settings.py leaves out with a warning. Formats a GPU cannot run are refused by device_support.py.
     return dev
 
 
@@ -236,6 +232,7 @@ def load_network(info: EngineInfo, device: torch.device, rank: int = 0, comm: TP
     `comm`: its tensor-parallel group's collectives (needed when the engine has several ranks)."""
     path = info.spec.rank_file(rank)
     quant = engine_quant_config(info)
+    install_kernel_settings(info.spec, device)
     with torch.device("meta"):
         model = build_network(info.model_def, info.model_config, quant, info.config.mapping.for_rank(rank),
                               dtype=info.config.build.torch_dtype, comm=comm)

@@ -1,6 +1,6 @@
 """Where one decode step's time goes: torch.profiler over decode steps at a given batch size.
 
-    python scripts/profile_decode.py --engine DIR --batch-size 256 [--context 128] [--steps 5]
+    python scripts/profile_decode.py --engine DIR --batch-size 256 [--context 128] [--steps 5] [--host]
 
 Fills the batch with random prompts of --context tokens, lets every request reach decode, then profiles
 --steps engine steps and prints the step's wall time, its GPU kernel time (the difference is the GPU waiting for the host)
@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--steps", type=int, default=5, help="decode steps to profile (default: 5)")
     p.add_argument("--rows", type=int, default=15, help="kernels to list (default: 15)")
+    p.add_argument("--host", action="store_true",
+                   help="also profile the host side (cProfile over the same steps): where the CPU time goes")
     args = p.parse_args()
     llm = LLM(args.engine, max_batch_size=args.batch_size)
     engine = llm.engine
@@ -57,6 +59,25 @@ def main() -> None:
     for e in events[:args.rows]:
         per_step = e.device_time_total / args.steps
         print(f"{e.key[:90]:<90} {per_step / 1e3:8.3f} {per_step / gpu_total:6.1%} {e.count / args.steps:10.0f}")
+    if args.host:
+        host_profile(engine, args.steps, args.rows)
+
+
+def host_profile(engine, steps: int, rows: int) -> None:
+    """The Python functions that take the host's time in `steps` engine steps (by own time, then cumulative)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    print(f"host profile over {steps} steps (seconds are totals)")
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
 
 
 if __name__ == "__main__":

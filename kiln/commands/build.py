@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks the engine is split over, one process and GPU each; writes "
                         "rank0..rank{N-1}.safetensors (default: 1)")
+    p.add_argument("--no-tune", action="store_true",
+                   help="with --device cuda: skip timing the kernels' launch settings on this GPU (the runtime then "
+                        "uses its shape heuristics; saves the tuning time of a quantized build)")
     q = p.add_argument_group("quantization")
     q.add_argument("--qformat", default="full_prec",
                    choices=["full_prec", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"], help=QFORMAT_HELP)
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
                          weights_at_load=args.no_weight_files, qformat=args.qformat,
                          kv_cache_dtype=args.kv_cache_dtype, awq_block_size=args.awq_block_size,
                          calib_dataset=args.calib_dataset, calib_size=args.calib_size,
-                         calib_max_seq_len=args.calib_max_seq_len, tp_size=args.tp_size)
+                         calib_max_seq_len=args.calib_max_seq_len, tp_size=args.tp_size,
+                         tune=not args.no_tune)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
     dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]

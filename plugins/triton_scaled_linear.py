@@ -26,12 +26,14 @@ host sync, so CUDA graphs capture the op.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._triton import sm_count as _sm_count
 from .quant_linear import FP8_MAX, INT8_MAX, MIN_DYNAMIC_SCALE
 from .triton_rotary_kv import _to_cache
@@ -123,36 +125,83 @@ class GemmConfig:
     block_n: int  # output features per tile
     num_warps: int
     num_stages: int
+    split_k: int = 1  # K ranges summed by a second kernel (scaled_linear's decode; fp8_block_linear uses 1)
 
 
-def gemm_config(t: int, n: int, num_sms: int) -> GemmConfig:
+_MIN_STEPS_PER_SPLIT = 4  # K steps of _BLOCK_K a split streams at least: shorter ones cost more than they bring
+
+
+def gemm_config(t: int, n: int, num_sms: int, k: int | None = None) -> GemmConfig:
     """Tiles for a 1-byte-operand GEMM with K steps of 128, from shapes only (CUDA graphs replay them).
 
     Decode (T <= 16) is memory-bound: 16-token tiles, and 32-column ones when 64 would leave SMs idle
-    (N = 6144 gives 96 tiles of 64 for 132 SMs), with deep pipelines to keep weight loads in flight. Prefill
-    grows the tile toward 128 x 128, where the 8-bit tensor cores stay busy; 3 stages of its 32 KiB of
-    operands also fit the 100 KiB of shared memory of sm_89 GPUs (L4, L40S).
+    (N = 6144 gives 96 tiles of 64 for 132 SMs), with deep pipelines to keep weight loads in flight; given K,
+    K is also split (scaled_linear) until every SM streams several tiles. Prefill grows the tile toward
+    128 x 128, where the 8-bit tensor cores stay busy; 3 stages of its 32 KiB of operands also fit the 100 KiB
+    of shared memory of sm_89 GPUs (L4, L40S).
     """
     block_m = 16 if t <= 16 else min(triton.next_power_of_2(t), 128)
     if block_m <= 32:
         block_n = 64 if triton.cdiv(t, block_m) * triton.cdiv(n, 64) >= num_sms else 32
-        return GemmConfig(block_m, block_n, num_warps=4, num_stages=5)
+        split_k = 1
+        if k is not None and block_m == 16:
+            tiles = triton.cdiv(n, block_n)
+            split_k = max(1, min(triton.cdiv(4 * num_sms, tiles), triton.cdiv(k, _BLOCK_K) // _MIN_STEPS_PER_SPLIT,
+                                 8))
+        return GemmConfig(block_m, block_n, num_warps=4, num_stages=5, split_k=split_k)
     if block_m == 64:
         return GemmConfig(64, 128, num_warps=4, num_stages=4)
     return GemmConfig(128, 128, num_warps=8, num_stages=3)
 
 
+TUNED_KERNEL = "scaled_linear"  # its name in target.kernel_settings
+
+
+def tuning_key(t: int, n: int, k: int, int8: bool) -> str:
+    """The shape key of a scaled_linear launch in the tuning table (tokens by tile height)."""
+    block_m = 16 if t <= 16 else min(triton.next_power_of_2(t), 128)
+    return f"m{block_m}_n{n}_k{k}_{'int8' if int8 else 'fp8'}"
+
+
+def tuning_candidates() -> tuple[list[dict], Callable[[dict], list[dict]]]:
+    """What build-time tuning (builder/tune.py) times for decode, in two rounds: tile widths and K splits,
+    then warps and pipeline depths around the best of those; settings as GemmConfig takes them (but block_m)."""
+    first = [{"block_n": bn, "split_k": split, "num_warps": 4, "num_stages": 5}
+             for bn in (32, 64, 128) for split in (1, 2, 4, 8)]
+
+    def second(best: dict) -> list[dict]:
+        return [{**best, "num_warps": w, "num_stages": st} for w in (2, 4, 8) for st in (3, 4, 5, 6)]
+    return first, second
+
+
 # --- scaled_linear ---
 
 
+@triton.jit
+def _epilogue(acc, sx_ptr, ws_ptr, bias_ptr, out_ptr, rows, cols, a_rows, w_rows, T, N, stride_ot,
+              HAS_BIAS: tl.constexpr):
+    """y = acc * s_x[rows] * weight_scale[cols] (+ bias) in float32, the reference's order, rounded once."""
+    s_x = tl.load(sx_ptr + a_rows)  # [BLOCK_M] float32
+    w_scale = tl.load(ws_ptr + w_rows)  # [BLOCK_N] float32
+    y = acc.to(tl.float32) * s_x[:, None] * w_scale[None, :]  # the reference's order: (acc * s_x) * w_scale
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+    out_mask = (rows < T)[:, None] & (cols < N)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["T"])
-def _scaled_mm_kernel(a_ptr, w_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
-                      stride_at, stride_wn, stride_ot,
-                      INT8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+def _scaled_mm_kernel(a_ptr, w_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K, k_per_split,
+                      stride_at, stride_wn, stride_ot, stride_split,
+                      INT8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_M x BLOCK_N tile of y = (x_q @ W^T) * s_x[rows] * weight_scale[cols] (+ bias)."""
+    """One BLOCK_M x BLOCK_N tile of y = (x_q @ W^T) * s_x[rows] * weight_scale[cols] (+ bias) over the K range
+    [split * k_per_split, +k_per_split) ∩ [0, K). SPLIT_K == 1 writes y; SPLIT_K > 1 writes the raw sums
+    (int32 for INT8: still exact; float32 for FP8) to out_ptr[split] for _sum_splits_kernel."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] tokens
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    split = tl.program_id(2)
     # Rows and columns past the edge read a valid one (modulo) instead of masking: loads stay unmasked along
     # M and N, and the store drops them.
     a_rows = (rows % T).to(tl.int64)
@@ -162,7 +211,9 @@ def _scaled_mm_kernel(a_ptr, w_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k  # [BLOCK_K] input features
         a_offs = a_rows[:, None] * stride_at + ks[None, :]  # [BLOCK_M, BLOCK_K]
         w_offs = w_rows[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]: W's rows are K-major
@@ -177,14 +228,31 @@ def _scaled_mm_kernel(a_ptr, w_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, K,
         else:
             # Products of e4m3 values are exact; the sums move to the float32 accumulator every BLOCK_K.
             acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
-    s_x = tl.load(sx_ptr + a_rows)  # [BLOCK_M] float32
-    w_scale = tl.load(ws_ptr + w_rows)  # [BLOCK_N] float32
-    y = acc.to(tl.float32) * s_x[:, None] * w_scale[None, :]  # the reference's order: (acc * s_x) * w_scale
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
-    out_mask = (rows < T)[:, None] & (cols < N)[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if SPLIT_K == 1:
+        _epilogue(acc, sx_ptr, ws_ptr, bias_ptr, out_ptr, rows, cols, a_rows, w_rows, T, N, stride_ot, HAS_BIAS)
+    else:
+        part = out_ptr + split * stride_split + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(part, acc, mask=(rows < T)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_splits_kernel(part_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, stride_split, stride_ot,
+                       SPLIT_K: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Adds a row's split sums in split order (int32: exact; float32: a fixed order, deterministic) and
+    applies _scaled_mm_kernel's epilogue."""
+    row = tl.program_id(0)
+    rows = row + tl.arange(0, 1)  # [1]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    w_rows = (cols % N).to(tl.int64)
+    offs = rows.to(tl.int64)[:, None] * N + w_rows[None, :]  # [1, BLOCK_N]
+    if INT8:
+        acc = tl.zeros((1, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + split * stride_split + offs)
+    _epilogue(acc, sx_ptr, ws_ptr, bias_ptr, out_ptr, rows, cols, rows.to(tl.int64), w_rows, T, N, stride_ot,
+              HAS_BIAS)
 
 
 # Tokens from which the FP8 GEMM goes to cuBLASLt: below, the Triton kernel's 16-row tiles read the weight
@@ -224,15 +292,39 @@ def scaled_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         # weight.t(): [K, N] column-major, the layout cuBLASLt's FP8 GEMM wants for its second operand.
         return torch._scaled_mm(x_q, weight.t(), scale_a=s_x, scale_b=weight_scale.view(1, n),
                                 out_dtype=x.dtype, use_fast_accum=False)
-    cfg = gemm_config(t, n, _sm_count(x.device))
-    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    int8 = weight.dtype == torch.int8
+    tuned = tuning.lookup(TUNED_KERNEL, tuning_key(t, n, k, int8)) if t <= 16 else None
+    cfg = GemmConfig(16, **tuned) if tuned else gemm_config(t, n, _sm_count(x.device), k)
+    return _launch(x, x_q, s_x, weight, weight_scale, bias, out, cfg)
+
+
+def _launch(x, x_q, s_x, weight, weight_scale, bias, out, cfg: GemmConfig) -> torch.Tensor:
+    """_scaled_mm_kernel (and with split_k > 1 _sum_splits_kernel) into `out`: [T, N]."""
+    t, k = x_q.shape
+    n = weight.shape[0]
+    int8 = weight.dtype == torch.int8
+    # K ranges of whole steps, none empty.
+    steps = triton.cdiv(k, _BLOCK_K)
+    per_split = triton.cdiv(steps, max(1, min(cfg.split_k, steps)))
+    split_k = triton.cdiv(steps, per_split)
+    part = out if split_k == 1 else torch.empty((split_k, t, n), dtype=torch.int32 if int8 else torch.float32,
+                                                device=x.device)
+    # The [N] vectors are read as contiguous (a no-op for the contiguous ones the layers hold).
+    w_scale = weight_scale.contiguous()
+    bias_arg = x if bias is None else bias.contiguous()
+    grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
     _scaled_mm_kernel[grid](
-        # The [N] vectors are read as contiguous (a no-op for the contiguous ones the layers hold).
-        x_q, weight, s_x, weight_scale.contiguous(), x if bias is None else bias.contiguous(), out, t, n, k,
-        x_q.stride(0), weight.stride(0), out.stride(0),
-        INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None, EVEN_K=k % _BLOCK_K == 0,
+        x_q, weight, s_x, w_scale, bias_arg, part, t, n, k, per_split * _BLOCK_K,
+        x_q.stride(0), weight.stride(0), out.stride(0), part.stride(0) if split_k > 1 else 0,
+        INT8=int8, HAS_BIAS=bias is not None, EVEN_K=k % _BLOCK_K == 0, SPLIT_K=split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=_BLOCK_K,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # A fused multiply-add would skip a rounding of the reference's epilogue.
         enable_fp_fusion=False)
+    if split_k > 1:
+        block_n = 256
+        _sum_splits_kernel[(t, triton.cdiv(n, block_n))](
+            part, s_x, w_scale, bias_arg, out, t, n, part.stride(0), out.stride(0),
+            SPLIT_K=split_k, INT8=int8, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=4,
+            enable_fp_fusion=False)
     return out

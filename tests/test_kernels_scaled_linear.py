@@ -140,6 +140,24 @@ def interpreted_scaled_linear_checks() -> None:
                 what = f"{qdtype} K={k} T={t} {dtype} static={input_scale is not None}"
                 check_scaled_linear(x, weight, weight_scale, input_scale, bias, pqs, 4 * k * FLOAT32_UNIT,
                                     what)
+    # Decode launches with K split into ranges (as tuned settings or the heuristic ask): raw int32 / float32
+    # sums per range, added in order by the second kernel, then the same epilogue (INT8 stays bit for bit).
+    # K = 600: 5 steps of 128, the last one ragged; 4 splits of 2 steps become 3.
+    from kiln.plugins import tuning
+    from kiln.plugins.triton_scaled_linear import TUNED_KERNEL, tuning_key
+
+    k = 600
+    for t, split in ((1, 2), (5, 4)):
+        x = (torch.randn(t, k, generator=gen) * 4).to(torch.float16)
+        for qdtype in (FP8, INT8):
+            weight = random_weight(n, k, qdtype, gen)
+            weight_scale = torch.rand(n, generator=gen) * 1e-3 + 1e-4
+            bias = torch.randn(n, generator=gen).to(torch.float16) if t > 1 else None
+            tuning.install({TUNED_KERNEL: {tuning_key(t, n, k, qdtype == INT8): {
+                "block_n": 32, "split_k": split, "num_warps": 4, "num_stages": 2}}})
+            check_scaled_linear(x, weight, weight_scale, None, bias, None, 4 * k * FLOAT32_UNIT,
+                                f"{qdtype} K={k} T={t} split={split}")
+            tuning.clear()
 
 
 def interpreted_rounding_checks() -> None:
@@ -209,8 +227,15 @@ def test_interpreted_fp8_block_linear_matches_the_reference():
 def test_gemm_tiles_suit_small_batches():
     from kiln.plugins.triton_scaled_linear import gemm_config
 
-    # Decode: 16-token tiles; 64 columns would leave a third of 132 SMs idle at N = 6144, so 32.
+    # Decode: 16-token tiles; 64 columns would leave a third of 132 SMs idle at N = 6144, so 32; given K, K
+    # splits until the SMs have about 4 tiles each (at most 8 ranges of at least 4 steps).
     assert (gemm_config(1, 6144, 132).block_m, gemm_config(1, 6144, 132).block_n) == (16, 32)
+    assert gemm_config(1, 6144, 132).split_k == 1
+    assert gemm_config(1, 6144, 132, k=4096).split_k == 3
+    assert gemm_config(1, 4096, 132, k=4096).split_k == 5
+    assert gemm_config(1, 4096, 132, k=256).split_k == 1
+    assert gemm_config(16, 28672, 132, k=4096).split_k == 2
+    assert gemm_config(64, 4096, 132, k=4096).split_k == 1
     assert (gemm_config(16, 14336, 132).block_m, gemm_config(16, 14336, 132).block_n) == (16, 64)
     assert (gemm_config(256, 6144, 132).block_m, gemm_config(256, 6144, 132).block_n) == (128, 128)
 

@@ -186,7 +186,7 @@ def _check_cuda(args):
 @needs_cuda_kernels
 @pytest.mark.parametrize("bits, asymmetric", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("n", [14336, 4096])
-@pytest.mark.parametrize("t", [1, 16, 128])
+@pytest.mark.parametrize("t", [1, 16, 128, 1024])  # 1024: dequantize + cuBLAS
 def test_llama_8b_shapes_match_reference(t, n, bits, asymmetric):
     _check_cuda(_cuda_case(t, n, 4096, bits, asymmetric, extras=bits == 4, seed=t + n))
 

@@ -14,7 +14,14 @@ from triton_interpret import needs_triton
 
 from kiln.builder.build import build_engine, load_model_config
 from kiln.builder.build_config import BuildConfig
-from kiln.builder.tune import WeightOnlyShape, tune_weight_only, weight_only_shapes
+from kiln.builder.tune import (
+    ScaledShape,
+    WeightOnlyShape,
+    scaled_shapes,
+    tune_kernels,
+    tune_weight_only,
+    weight_only_shapes,
+)
 from kiln.engine_format import load_engine_spec
 from kiln.model_defs import build_network
 from kiln.plugins import tuning
@@ -42,6 +49,37 @@ def test_weight_only_shapes_are_the_products_the_network_launches(tmp_path):
     shapes = weight_only_shapes(_meta_network(tmp_path, "int4_wo", 32))
     assert [(s.n, s.k) for s in shapes] == [(64, 64), (64, 128), (128, 64), (256, 64)]
     assert {(s.bits, s.group_size, s.asymmetric, s.act_order) for s in shapes} == {(4, 32, True, False)}  # int4_wo: zero points
+
+
+def test_scaled_shapes_are_the_fp8_and_int8_products(tmp_path):
+    fp8 = _meta_network(tmp_path, "fp8", None)
+    assert scaled_shapes(fp8) == [ScaledShape(64, 64, False), ScaledShape(64, 128, False),
+                                  ScaledShape(128, 64, False), ScaledShape(256, 64, False)]
+    assert weight_only_shapes(fp8) == []
+    assert {s.int8 for s in scaled_shapes(_meta_network(tmp_path, "int8_sq", None))} == {True}
+
+
+@needs_triton
+def test_tune_kernels_tunes_what_the_network_has_under_each_kernels_name(tmp_path):
+    from kiln.plugins.triton_scaled_linear import tuning_key
+
+    seen = []
+
+    def fake_time(shape, t, cfg):
+        seen.append(shape)
+        return 1e-5 / cfg["split_k"] + 1e-7 * cfg["num_warps"]  # more splits, fewer warps: faster
+
+    settings = tune_kernels(_meta_network(tmp_path, "fp8", None), torch.bfloat16, torch.device("cpu"),
+                            time_fns={"scaled_linear": fake_time})
+    assert list(settings) == ["scaled_linear"]
+    assert settings["scaled_linear"][tuning_key(1, 256, 64, False)] == {
+        "block_n": 32, "split_k": 8, "num_warps": 2, "num_stages": 3}
+    assert len(settings["scaled_linear"]) == 4 and {type(s) for s in seen} == {ScaledShape}
+    checkpoint, _ = make_checkpoint(tmp_path / "plain", "LlamaForCausalLM")
+    model_def, config = load_model_config(checkpoint)
+    with torch.device("meta"):
+        plain = build_network(model_def, config, None, dtype=torch.bfloat16)
+    assert tune_kernels(plain, torch.bfloat16, torch.device("cpu"), time_fns={}) == {}
 
 
 def test_weight_only_shapes_of_a_full_precision_network_are_none(tmp_path):

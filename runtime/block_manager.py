@@ -7,7 +7,9 @@ reuses it instead of recomputing. When a request ends, its blocks return to a fr
 contents and hash until the block is handed out again (least recently freed first), so cached prefixes
 survive as long as memory allows.
 
-Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `trim`, `free`.
+Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `trim`, `free`. A table is
+handed out as a `BlockTable` (block_table.py): each list of blocks kept here is only ever appended to, so a
+snapshot is a reference and a length, not a copy, and says by its stamp whether it continues an earlier one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .block_table import BlockTable, new_stamp
 
 
 @dataclass
@@ -51,7 +55,10 @@ class BlockManager:
         # Blocks nobody uses, oldest-freed first; the dict keeps insertion order and O(1) removal.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
-        self._tables: dict[str, list[int]] = {}  # request id -> its blocks
+        # request id -> its blocks. Append-only: a table that loses blocks gets a new list (and stamp), so the
+        # BlockTables handed out stay valid snapshots.
+        self._tables: dict[str, list[int]] = {}
+        self._stamps: dict[str, int] = {}  # request id -> the stamp of its current list
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its first full blocks
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -66,9 +73,13 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def block_table(self, request_id: str) -> tuple[int, ...]:
-        """A snapshot of the request's blocks, in order (a copy: the live table stays private)."""
-        return tuple(self._tables.get(request_id, ()))
+    def block_table(self, request_id: str) -> BlockTable:
+        """A snapshot of the request's blocks, in order: O(1), it shares the live list, which only grows at
+        its end while the snapshot reads its first entries (empty for a request without blocks)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return BlockTable([])
+        return BlockTable(table, len(table), self._stamps[request_id])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -105,11 +116,18 @@ class BlockManager:
     def allocate(self, request_id: str, num_tokens: int, prefix: CachedPrefix = CachedPrefix()) -> bool:
         """Makes the request own enough blocks for `num_tokens` tokens in total, starting its table with
         `prefix` (only on its first allocation). Returns False and changes nothing if memory is short."""
-        if prefix.block_ids and request_id in self._tables:
-            raise ValueError(f"request {request_id} already has blocks; a cached prefix only starts a table")
+        table = self._tables.get(request_id)
+        if table is not None:
+            if prefix.block_ids:
+                raise ValueError(f"request {request_id} already has blocks; "
+                                 "a cached prefix only starts a table")
+            if len(table) * self.block_size >= num_tokens:  # the usual case: a decode within its last block
+                return True
         if not self.can_allocate(request_id, num_tokens, prefix):
             return False
-        table = self._tables.setdefault(request_id, [])
+        if table is None:
+            table = self._tables[request_id] = []
+            self._stamps[request_id] = new_stamp()
         for block_id in prefix.block_ids:
             self._take(block_id)
             table.append(block_id)
@@ -143,7 +161,8 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, last block first: the free queue hands out its oldest entries
         first, so a request's private tail is reused before the shared prefix it started from."""
-        table = self._tables.pop(request_id, [])
+        table = self._tables.pop(request_id, [])  # the list itself is left as it is: snapshots may read it
+        self._stamps.pop(request_id, None)
         self._hashes.pop(request_id, None)
         for block_id in reversed(table):
             block = self._blocks[block_id]
@@ -156,11 +175,14 @@ class BlockManager:
         They hold no accepted token, so no hash: they go to the front of the free queue, to be reused before
         any block that still caches a prefix."""
         table = self._tables.get(request_id)
-        if table is None:
-            return
         keep = self.blocks_needed(num_tokens)
-        while len(table) > keep:
-            block = self._blocks[table.pop()]
+        if table is None or len(table) <= keep:
+            return
+        # A new list rather than popping: snapshots of the old one stay what they were.
+        self._tables[request_id] = table[:keep]
+        self._stamps[request_id] = new_stamp()
+        for block_id in reversed(table[keep:]):
+            block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = None

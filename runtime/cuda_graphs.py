@@ -6,7 +6,9 @@ captured size >= n; the extra rows are padding: slot -1 (the KV write skips them
 (attention reads nothing for them), and their logits are dropped.
 
 Every tensor a graph reads or writes is allocated here once and never reallocated: a graph holds raw
-addresses. The host side fills pinned staging buffers, copied to the device buffers before each replay.
+addresses. The host side fills pinned staging buffers, copied to the device buffers before each replay; the
+block tables come from a `BlockTableMirror` that writes only the blocks each table gained since the step
+before, then gathers the batch's rows into the staging buffer in batch order.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 
+from .block_table_mirror import BlockTableMirror
 from .kv_cache import LayerCache, LayerScales
 from .scheduler import SchedulerOutput
 from .step_inputs import rope_length, slot_of
@@ -93,6 +96,8 @@ class DecodeGraphs:
         self._np_ints = self._host_ints.numpy()
         self._np_seq_lens = self._host_seq_lens.numpy()
         self._np_tables = self._host_tables.numpy()
+        # The batch's tables, a row per table kept across steps (rows to spare for requests that come and go).
+        self._mirror = BlockTableMirror(2 * g, mb)
         self._kv_caches = kv_caches
         self._kv_scales = kv_scales  # fixed device tensors, like the caches: safe to capture
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -155,9 +160,9 @@ class DecodeGraphs:
         seq_lens[:n] = batch.positions
         seq_lens[:n] += 1
         seq_lens[n:size] = 0
-        for i, blocks in enumerate(batch.block_tables):
-            tables[i, :len(blocks)] = blocks
-        # Stale block ids past a sequence's own blocks are never read: attention stops at its length.
+        # Up to the batch's longest table; the stale block ids past a sequence's own blocks are never read
+        # (attention stops at its length), nor those of the padding rows (length 0).
+        self._mirror.gather(batch.block_tables, out=tables[:n])
         self._ints.copy_(self._host_ints, non_blocking=True)  # whole rows: a strided slice would not be async
         self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
         self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)

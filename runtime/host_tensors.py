@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -11,3 +12,12 @@ def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     if device.type == "cpu":
         return torch.tensor(data, dtype=dtype)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as a tensor on `device` (on the CPU it shares the array's memory), through pinned memory and a
+    non-blocking copy on CUDA like `to_device`."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

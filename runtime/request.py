@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
@@ -52,6 +53,10 @@ class Request:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
+    def token_view(self) -> TokenIds:
+        """all_token_ids as a view: O(1) to make, slices cost what they hold."""
+        return TokenIds(self)
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -64,3 +69,29 @@ class Request:
     def max_total_tokens(self) -> int:
         """Prompt plus the most tokens it may generate: what it may ever need in the KV cache."""
         return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+
+class TokenIds(Sequence[int]):
+    """A request's prompt and output tokens as one sequence, without concatenating them (`all_token_ids` is a
+    new list of the whole context); a slice is a list. Reads the request's current tokens."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __len__(self) -> int:
+        return self._request.num_tokens
+
+    def __getitem__(self, index):
+        n = self._request.num_tokens
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                return self._request.all_token_ids[index]
+            return self._request.token_slice(start, max(start, stop))
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("token index out of range")
+        return self._request.token_slice(index, index + 1)[0]

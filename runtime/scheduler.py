@@ -37,7 +37,10 @@ class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # the tokens computed this step
     start_position: int  # position of token_ids[0] (= tokens already in the cache)
-    block_ids: tuple[int, ...]  # the request's whole block table
+    # The request's whole block table: from the scheduler a BlockTable (block_table.py), a snapshot shared
+    # with the block manager rather than copied, whose stamp lets the runner write only the blocks added since
+    # it last saw the table; any other sequence of block ids works too (written whole each step).
+    block_ids: Sequence[int]
     num_prompt_tokens: int
     # How many of this step's last positions are sampled: 1 when the step reaches the end of the known
     # tokens, 0 for a prefill chunk that does not. A step verifying k draft tokens samples k + 1.
@@ -198,5 +201,5 @@ class Scheduler:
                 request.draft_token_ids = []
                 self.blocks.trim(item.request_id, request.num_tokens)
             if request.num_computed_tokens // self.blocks.block_size > before // self.blocks.block_size:
-                self.blocks.cache_full_blocks(request.request_id, request.all_token_ids,
+                self.blocks.cache_full_blocks(request.request_id, request.token_view(),
                                               request.num_computed_tokens)

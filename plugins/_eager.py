@@ -13,4 +13,4 @@ import torch
 
 def runs_reference_directly(t: torch.Tensor) -> bool:
     """Whether an op on `t` (its first tensor argument) may call its reference without dispatch."""
-    return type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return type(t) is torch.Tensor and t.is_cpu and not torch.compiler.is_compiling()

@@ -31,6 +31,7 @@ from ._checks import (
 from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
 from .kv_cache import KV_CACHE_DTYPES, check_kv_scales
+from .step_plan import KeyGroup, PagedAttentionPlan, StepPlan
 
 
 def paged_attention_reference(
@@ -48,103 +49,82 @@ def paged_attention_reference(
     # q: [T, Hq, D]; k_cache, v_cache: [N, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
     # seq_lens: [S] int32; query_start_loc: [S+1] int32; k_scale, v_scale: [1] float32 for a quantized cache
     # -> out: [T, Hq, D], contiguous
-    # Math in float32, as torch's scaled_dot_product_attention (what transformers runs on the CPU) does it.
-    out = q.new_empty(q.shape)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
-    if decodes:
-        # Every single-token sequence in one batched pass: a decode step costs a few ops per layer, not a
-        # few per sequence.
-        if len(decodes) == len(lens):  # T == S: query s is token s
-            rows = slice(0, len(lens))
-            tables, lengths = block_tables, seq_lens
-        else:
-            rows = torch.tensor([starts[s] for s in decodes], device=q.device)
-            index = torch.tensor(decodes, device=q.device)
-            tables, lengths = block_tables[index], seq_lens[index]
-        out[rows] = _decode_attention(q[rows], (k_cache, k_scale), (v_cache, v_scale), tables, lengths,
-                                      [lens[s] for s in decodes], scale, sliding_window)
-    for s, seq_len in enumerate(lens):
-        if starts[s + 1] - starts[s] > 1:
-            out[starts[s]:starts[s + 1]] = _chunk_attention(
-                q[starts[s]:starts[s + 1]], (k_cache, k_scale), (v_cache, v_scale), block_tables[s], seq_len,
-                scale, sliding_window)
-    return out
+    plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), plan, scale, sliding_window)
 
 
 # A cache and its dequantization scale ([1] float32), None for a float cache.
 ScaledCache = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def _gather(cache: ScaledCache, tables: torch.Tensor, length: int) -> torch.Tensor:
-    # cache: [N, block_size, Hk, D] (and its scale); tables: [..., max_blocks] -> [..., length, Hk, D] float32
+def _read(cache: ScaledCache, reads: torch.Tensor | slice, sequences: int) -> torch.Tensor:
+    # cache: [N, block_size, Hk, D] (and its scale); reads (KeyGroup.keys): [B * Hk * L] int64, rows of the
+    # cache viewed as [N * block_size * Hk, D], or a slice of one sequence's consecutive slots
+    # -> [B, Hk, L, D] float32, contiguous per head where copied
     values, scale = cache
-    block_size = values.shape[1]
-    blocks = tables[..., :-(-length // block_size)]
-    # index_select copies whole blocks (memcpy per block); cache[blocks] copies element by element, 5x slower.
-    gathered = values.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, *values.shape[2:])
-    out = gathered[..., :length, :, :].float()  # gathered: [..., nb * block_size, Hk, D]
+    kv_heads, dim = values.shape[2:]
+    if isinstance(reads, slice):  # read in place: a view of the cache where it is float32
+        out = values.view(-1, kv_heads, dim)[reads].transpose(0, 1)[None].float()
+    else:
+        # index_select copies whole rows (D contiguous values each), where advanced indexing copies element by
+        # element; one KV head's keys come out contiguous, as attention reads them.
+        out = values.view(-1, dim).index_select(0, reads).float().view(sequences, kv_heads, -1, dim)
     if scale is not None:  # a quantized cache: out is a fresh float32 copy, scaled in place
         out.mul_(scale)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+def _planned_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, plan: PagedAttentionPlan,
+                       scale: float, sliding_window: int) -> torch.Tensor:
+    # Math in float32, as torch's scaled_dot_product_attention (what transformers runs on the CPU) does it.
+    if plan.decode_only:  # T == S: the decode rows are the output
+        return _decode_attention(q, k_cache, v_cache, plan.decode, scale, sliding_window)
+    out = q.new_empty(q.shape)
+    if plan.decode is not None:
+        out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], k_cache, v_cache, plan.decode, scale,
+                                                  sliding_window)
+    for rows, group in plan.chunks:
+        out[rows] = _chunk_attention(q[rows], k_cache, v_cache, group, scale, sliding_window)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor:
-    # q: [B, Hq, n, D]; k, v: [B, Hk, L, D], all float32; allowed: [B or 1, 1, n, L] bool, None for all keys
-    # -> [B, Hq, n, D]: softmax((q . k) * scale) @ v over the allowed keys; GQA without copying k and v.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+    # q: [B, Hq, n, D]; k, v: [B, Hk, L, D], all float32; mask: [B, 1, n, L] additive float32, None for all keys
+    # -> [B, Hq, n, D]: softmax((q . k) * scale + mask) @ v; GQA without copying k and v.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _chunk_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, table: torch.Tensor,
-                     seq_len: int, scale: float, sliding_window: int) -> torch.Tensor:
-    """One sequence's n query tokens (its last n positions) over its seq_len keys: q: [n, Hq, D] -> same."""
-    n = q.shape[0]
-    k = _gather(k_cache, table, seq_len).transpose(0, 1)[None]  # [1, Hk, L, D]
-    v = _gather(v_cache, table, seq_len).transpose(0, 1)[None]
-    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-    k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    allowed = k_pos <= q_pos  # [n, L]
-    if sliding_window > 0:
-        allowed &= k_pos > q_pos - sliding_window
-    out = _attend(q.float().transpose(0, 1)[None], k, v, allowed, scale)  # [1, Hq, n, D]
+def _chunk_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, group: KeyGroup,
+                     scale: float, sliding_window: int) -> torch.Tensor:
+    """One sequence's n query tokens (its last n positions) over its keys: q: [n, Hq, D] -> same."""
+    reads, mask = group.keys(sliding_window, k_cache[0].shape[2])
+    k = _read(k_cache, reads, 1)  # [1, Hk, L, D]
+    v = _read(v_cache, reads, 1)
+    out = _attend(q.float().transpose(0, 1)[None], k, v, mask, scale)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, tables: torch.Tensor,
-                      seq_lens: torch.Tensor, lens: list[int], scale: float, sliding_window: int) -> torch.Tensor:
-    """B sequences of one query token each, keys padded to the longest: q: [B, Hq, D] -> [B, Hq, D].
-    seq_lens: [B] int32, and `lens` the same on the host. A sequence of seq_len 0 (a padding row) gives zeros."""
-    shortest, longest = min(lens), max(lens)
-    if longest == 0:
+def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, group: KeyGroup, scale: float,
+                      sliding_window: int) -> torch.Tensor:
+    """B sequences of one query token each, keys padded to the longest: q: [B, Hq, D] -> [B, Hq, D],
+    contiguous. A sequence of seq_len 0 (a padding row) gives zeros."""
+    if group.longest == 0:
         return q.new_zeros(q.shape)
-    k = _gather(k_cache, tables, longest)  # [B, L, Hk, D]
-    v = _gather(v_cache, tables, longest)
-    allowed = None  # every key of every row: one length (batch 1 is), no window cutting it
-    if shortest < longest or 0 < sliding_window < longest:
-        k_pos = torch.arange(longest, device=q.device)[None, :]
-        lengths = seq_lens.long()[:, None]
-        allowed = k_pos < lengths  # [B, L]: not past the sequence's end (another sequence's or a stale slot)
-        if sliding_window > 0:
-            allowed &= k_pos > lengths - 1 - sliding_window
-        # Zero the hidden keys and values: a slot no sequence owns may hold anything, NaN included, which the
-        # mask would not hide (NaN - inf is NaN, 0 * NaN is NaN). Without a window only the tail can be hidden.
-        first = shortest if sliding_window == 0 else 0
-        hidden = ~allowed[:, first:, None, None]
-        k[:, first:].masked_fill_(hidden, 0.0)
-        v[:, first:].masked_fill_(hidden, 0.0)
-        allowed = allowed[:, None, None, :]  # [B, 1, 1, L]
+    batch, heads, dim = q.shape
+    kv_heads = k_cache[0].shape[2]
+    reads, mask = group.keys(sliding_window, kv_heads)
+    k = _read(k_cache, reads, batch)  # [B, Hk, L, D]
+    v = _read(v_cache, reads, batch)
     # One query per sequence: the Hq // Hk query heads of a KV head attend as that head's Hq // Hk queries
     # ([B, Hk, G, D], heads h -> h // G as GQA maps them), so the keys and values are read once, where
     # enable_gqa would expand them G times (half the CPU time of a decode batch's attention).
-    batch, heads, dim = q.shape
-    grouped = q.float().view(batch, k.shape[2], heads // k.shape[2], dim)  # [B, Hk, G, D]
-    out = _attend(grouped, k.transpose(1, 2), v.transpose(1, 2), allowed, scale).reshape(batch, heads, dim)
-    if shortest == 0:  # a row with no key to attend to is NaN after the softmax
+    grouped = q.float().view(batch, kv_heads, heads // kv_heads, dim)  # [B, Hk, G, D]
+    out = _attend(grouped, k, v, mask, scale).reshape(batch, heads, dim)
+    if min(group.lens) == 0:  # a row with no key to attend to is NaN after the softmax
         out = out.nan_to_num_(0.0)
-    return out.to(q.dtype)  # [B, Hq, D]
+    return out.to(q.dtype).contiguous()  # [B, Hq, D]
 
 
 _paged_attention_op = torch.library.custom_op("kiln::paged_attention", mutates_args=())(paged_attention_reference)
@@ -167,6 +147,8 @@ def paged_attention(
     sliding_window: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q: [T, Hq, D] over the paged cache; returns [T, Hq, D].
 
@@ -177,6 +159,9 @@ def paged_attention(
     k_cache, v_cache must be contiguous. A sequence with seq_lens[s] == 0 (a padding row of a captured
     graph) gives zeros. Precondition: every sequence has at least one query token, so that T == S means
     one token each: such batches take the GPU's split-K decode path, which relies on it.
+
+    `plan`: the step's `StepPlan` of these block_tables, seq_lens, query_start_loc (`ForwardContext.plan`, None
+    where the GPU kernels run); the reference reads it instead of working the metadata out again in each layer.
     """
     for name, t, nd in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4),
                         ("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
@@ -206,9 +191,18 @@ def paged_attention(
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
     check_kv_scales(k_cache, k_scale, v_scale)
-    op = paged_attention_reference if runs_reference_directly(q) else _paged_attention_op
-    return op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), int(sliding_window),
-              k_scale, v_scale)
+    if not runs_reference_directly(q):
+        return _paged_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
+                                   int(sliding_window), k_scale, v_scale)
+    if plan is None:
+        attention = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    elif plan.attention.describes(block_tables, seq_lens, query_start_loc, k_cache.shape[1]):
+        attention = plan.attention
+    else:
+        raise ValueError("plan was made for other block_tables, seq_lens, query_start_loc or block size")
+    check_size("q", q, 0, attention.num_tokens, "query tokens in query_start_loc")
+    return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), attention, float(scale),
+                              int(sliding_window))
 
 
 if USE_TRITON:

@@ -16,6 +16,7 @@ import torch
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_same_device, check_size
 from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
+from .step_plan import StepPlan, slots_skip
 
 # Cache dtypes that hold scaled values, with the largest magnitude each stores (saturation bound).
 QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -37,20 +38,38 @@ def write_kv_cache_reference(
     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     # k, v: [T, Hk, D]; slot_mapping: [T] int64; k_scale, v_scale: [1] float32 for a quantized cache
+    write_kv_slots(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, slots_skip(slot_mapping))
+
+
+def write_kv_slots(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, skips: bool,
+) -> None:
+    """The reference write, told whether any slot is -1 (`slots_skip`, which reads the slots to the host)."""
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hk, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    if slot_mapping.numel() and slot_mapping.min() < 0:  # padding tokens write nothing
+    if skips:  # padding tokens write nothing
         valid = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     if k_scale is None:
-        k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        k_flat.index_copy_(0, slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+        v_flat.index_copy_(0, slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
         return
     # index_copy_ has no float8 kernel on the CPU: copy the bytes (both quantized dtypes are one byte).
     k_bytes = quantize_kv(k, k_scale, k_cache.dtype).view(torch.uint8)  # [T, Hk, D]
     v_bytes = quantize_kv(v, v_scale, v_cache.dtype).view(torch.uint8)
     k_flat.view(torch.uint8).index_copy_(0, slot_mapping, k_bytes)
     v_flat.view(torch.uint8).index_copy_(0, slot_mapping, v_bytes)
+
+
+def plan_skips(plan: StepPlan | None, slot_mapping: torch.Tensor) -> bool:
+    """Whether slot_mapping holds -1 entries, from the step's plan where given (no host sync): ValueError if the
+    plan was made for another slot_mapping."""
+    if plan is None:
+        return slots_skip(slot_mapping)
+    if plan.slot_mapping is not slot_mapping:
+        raise ValueError("plan was made for another slot_mapping")
+    return plan.skips_slots
 
 
 _write_kv_cache_op = torch.library.custom_op("kiln::write_kv_cache", mutates_args=("k_cache", "v_cache"))(
@@ -107,14 +126,18 @@ def check_kv_write_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    *, plan: StepPlan | None = None,
 ) -> None:
     """Writes k, v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64.
 
     A float8_e4m3fn or int8 cache needs k_scale, v_scale ([1] float32, on the cache's device) and stores
-    k / k_scale, v / v_scale; a float cache takes no scales."""
+    k / k_scale, v / v_scale; a float cache takes no scales. `plan`: the step's `StepPlan` of this
+    slot_mapping where the reference runs (None elsewhere), which says whether any slot is -1."""
     check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    op = write_kv_cache_reference if runs_reference_directly(k) else _write_kv_cache_op
-    op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if not runs_reference_directly(k):
+        _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
+    write_kv_slots(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, plan_skips(plan, slot_mapping))
 
 
 if USE_TRITON:

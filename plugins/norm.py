@@ -15,9 +15,11 @@ from ._triton import USE_TRITON
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., H]; weight: [H]
+    # weight * (xf * rsqrt(mean(xf^2) + eps)).to(x.dtype) as Hugging Face writes it, the temporaries updated in
+    # place (the same values: x.float() and .to() are no-ops in float32, the products commute).
     xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+    inv_rms = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (xf * inv_rms).to(x.dtype).mul_(weight)
 
 
 _rms_norm_op = torch.library.custom_op("kiln::rms_norm", mutates_args=())(rms_norm_reference)

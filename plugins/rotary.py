@@ -21,10 +21,13 @@ from ._triton import USE_TRITON
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D] already in x.dtype
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # x: [T, H, D]; cos, sin: [T, 1, 1, D/2] in x.dtype -> [T, H, D]
+    # Hugging Face's x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin) on the halves x = (x1, x2), in as few
+    # ops: the swapped halves times sin, the first negated ((-x2) * sin is -(x2 * sin) exactly), plus x * cos.
+    halves = x.unflatten(-1, (2, -1))  # [T, H, 2, D/2]
+    swapped = halves.flip(-2).mul_(sin)  # [x2 * sin, x1 * sin]
+    swapped[:, :, 0].neg_()
+    return (halves * cos).add_(swapped).flatten(-2)
 
 
 def rotary_embedding_reference(
@@ -32,9 +35,10 @@ def rotary_embedding_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # q: [T, Hq, D]; k: [T, Hk, D]; cos, sin: [T, D/2] float32
     # Hugging Face casts the float32 table to the activation dtype before rotating; so do we.
-    cos_full = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
-    sin_full = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
-    return _rotate(q, cos_full, sin_full), _rotate(k, cos_full, sin_full)
+    cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]  # [T, 1, 1, D/2]
+    if q.dtype != cos.dtype:
+        cos_q, sin_q = cos_q.to(q.dtype), sin_q.to(q.dtype)
+    return _rotate(q, cos_q, sin_q), _rotate(k, cos_q, sin_q)
 
 
 _rotary_op = torch.library.custom_op("kiln::rotary_embedding", mutates_args=())(rotary_embedding_reference)

@@ -12,8 +12,9 @@ import torch
 
 from ._eager import runs_reference_directly
 from ._triton import USE_TRITON
-from .kv_cache import check_kv_write_args, write_kv_cache_reference
+from .kv_cache import check_kv_write_args, plan_skips, write_kv_slots
 from .rotary import check_rotary_args, rotary_embedding_reference
+from .step_plan import StepPlan, slots_skip
 
 
 def rotary_embedding_and_write_kv_reference(
@@ -23,8 +24,18 @@ def rotary_embedding_and_write_kv_reference(
 ) -> torch.Tensor:
     # q: [T, Hq, D]; k, v: [T, Hk, D]; cos, sin: [T, D/2] float32; caches: [N, block_size, Hk, D];
     # k_scale, v_scale: [1] float32 for a quantized cache
+    return _rotate_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                             slots_skip(slot_mapping))
+
+
+def _rotate_and_write(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None, skips: bool,
+) -> torch.Tensor:
+    # The reference, told whether any slot is -1 (`skips`: the step's plan knows without a host sync).
     q_rot, k_rot = rotary_embedding_reference(q, k, cos, sin)
-    write_kv_cache_reference(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    write_kv_slots(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, skips)
     return q_rot
 
 
@@ -42,15 +53,19 @@ def rotary_embedding_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    *, plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """Rotates q: [T, Hq, D] and k: [T, Hk, D] by cos, sin: [T, D/2] (float32), writes the rotated k and
     v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64 (-1 skips a
     token), and returns the rotated q: [T, Hq, D]. A float8_e4m3fn or int8 cache needs k_scale, v_scale
-    ([1] float32 on its device) and stores k / k_scale, v / v_scale; a float cache takes no scales."""
+    ([1] float32 on its device) and stores k / k_scale, v / v_scale; a float cache takes no scales.
+    `plan`: the step's `StepPlan` of this slot_mapping where the reference runs (None elsewhere)."""
     check_rotary_args(q, k, cos, sin)
     check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    op = rotary_embedding_and_write_kv_reference if runs_reference_directly(q) else _rotary_kv_op
-    return op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if not runs_reference_directly(q):
+        return _rotary_kv_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return _rotate_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                             plan_skips(plan, slot_mapping))
 
 
 if USE_TRITON:

@@ -46,8 +46,9 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         # A quantized cache's per-layer scales ([1] float32 each); None, None for a float cache.
         k_scale, v_scale = (None, None) if ctx.kv_scales is None else ctx.kv_scales[self.layer_index]
+        plan = ctx.plan  # the step's metadata worked out once for every layer where the references run
         q = rotary_embedding_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping,
-                                          k_scale, v_scale)  # k, v cached
+                                          k_scale, v_scale, plan=plan)  # k, v cached
         out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              self.scale, self.sliding_window, k_scale, v_scale)  # [T, Hq, D]
+                              self.scale, self.sliding_window, k_scale, v_scale, plan=plan)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, -1))

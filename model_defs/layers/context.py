@@ -6,8 +6,11 @@ The model runner builds it from the scheduler's plain data; every tensor lives o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from kiln.plugins.step_plan import StepPlan, step_plan
 
 
 @dataclass(frozen=True)
@@ -27,3 +30,10 @@ class ForwardContext:
     # Per layer (k_scale, v_scale): [1] float32 each, on the device, for a quantized (fp8 / int8) KV cache,
     # which stores k / k_scale and v / v_scale; None for a float cache.
     kv_scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+    @cached_property
+    def plan(self) -> StepPlan | None:
+        """What the reference ops (eager CPU) read from this step's tensors, worked out on first use and shared
+        by every layer (the attention and KV-write wrappers' `plan=`); None where the GPU kernels run."""
+        block_size = self.kv_caches[0][0].shape[1] if self.kv_caches else 1
+        return step_plan(self.block_tables, self.seq_lens, self.query_start_loc, self.slot_mapping, block_size)

@@ -197,3 +197,15 @@ def test_a_cuda_build_of_a_weight_only_engine_records_and_uses_tuned_settings(tm
     assert tuning.lookup(TUNED_KERNEL, "m16_n64_k64_int4_zp_g32") is not None
     tuning.clear()
     assert with_tuning == [o.token_ids for o in LLM(plain).generate(prompts, params)]
+
+
+def test_the_build_summary_names_the_tuned_kernels_and_gpu(tmp_path):
+    from kiln.commands.build_summary import engine_summary
+
+    spec = _spec_with(tmp_path, "NVIDIA H100 80GB HBM3")
+    assert "kernels tuned for NVIDIA H100 80GB HBM3: weight_only_linear (1 shape)" in engine_summary(
+        spec.engine_dir)
+    data = json.loads((spec.engine_dir / "engine.json").read_text())
+    data["target"]["kernel_settings"] = {}
+    (spec.engine_dir / "engine.json").write_text(json.dumps(data))
+    assert "tuned" not in engine_summary(spec.engine_dir)

@@ -1,5 +1,5 @@
 """The lines `kiln build` prints about what it wrote: weight bytes and KV-cache bytes per token, next to
-what full precision would take, and how the engine was quantized."""
+what full precision would take, how the engine was quantized, and which kernels were tuned for which GPU."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ def engine_summary(engine_dir: Path) -> str:
         lines.append(f"calibrated by ModelOpt {quant.get('modelopt_version')} on {calibration['dataset']}: "
                      f"{calibration['num_samples']} samples, {calibration['num_tokens']:,} tokens, "
                      f"{calibration['seconds']:.1f}s")
+    tuned = info.spec.target.get("kernel_settings") or {}
+    if tuned:
+        kernels = ", ".join(f"{kernel} ({len(shapes)} shape{'s' * (len(shapes) != 1)})" for kernel, shapes in tuned.items())
+        lines.append(f"kernels tuned for {info.spec.target.get('gpu_name')}: {kernels}")
     return "\n".join(lines)
 
 

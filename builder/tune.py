@@ -161,8 +161,8 @@ def weight_only_time_fn(device: torch.device, dtype: torch.dtype) -> TimeFn:
         return (x, qweight, scales, zeros, shape.bits, shape.group_size, None, None, g_idx)
 
     def launch(args: tuple, settings: dict):
-        x, shape_k, group, g_idx = args[0], args[0].shape[1], args[5], args[8]
-        return _launch(*args, config_with(x.shape[0], shape_k, group, g_idx is not None, **settings))
+        x, group_size, g_idx = args[0], args[5], args[8]  # x: [T, K]
+        return _launch(*args, config_with(x.shape[0], x.shape[1], group_size, g_idx is not None, **settings))
 
     return _cuda_time_fn(make_inputs, launch, device)
 

@@ -209,3 +209,18 @@ def test_the_build_summary_names_the_tuned_kernels_and_gpu(tmp_path):
     data["target"]["kernel_settings"] = {}
     (spec.engine_dir / "engine.json").write_text(json.dumps(data))
     assert "tuned" not in engine_summary(spec.engine_dir)
+
+
+@pytest.mark.parametrize("bad, named", [
+    ([1, 2], "target.kernel_settings is [1, 2]"),
+    ({"weight_only_linear": 3}, "target.kernel_settings.weight_only_linear is 3"),
+    ({"weight_only_linear": {"m16": {"block_n": "wide"}}}, "target.kernel_settings.weight_only_linear.m16"),
+])
+def test_malformed_kernel_settings_are_an_engine_error_naming_the_entry(tmp_path, bad, named):
+    from kiln.engine_format import EngineError
+
+    spec = _spec_with(tmp_path, "NVIDIA H100 80GB HBM3")
+    spec.target["kernel_settings"] = bad
+    with pytest.raises(EngineError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        install_kernel_settings(spec, torch.device("cpu"))
+    assert tuning.lookup("weight_only_linear", "m16") is None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous
-from ._eager import runs_reference_directly
+from ._eager import KernelOp
 from ._triton import USE_TRITON
 
 
@@ -16,10 +16,10 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]).mul_(x[..., half:])  # in place: silu's output is a fresh tensor
 
 
-_silu_and_mul_op = torch.library.custom_op("kiln::silu_and_mul", mutates_args=())(silu_and_mul_reference)
+_silu_and_mul = KernelOp("kiln::silu_and_mul", silu_and_mul_reference)
 
 
-@_silu_and_mul_op.register_fake
+@_silu_and_mul.op.register_fake
 def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
@@ -31,12 +31,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_last_dim_contiguous("x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[-1]}")
-    if runs_reference_directly(x):
-        return silu_and_mul_reference(x)
-    return _silu_and_mul_op(x)
+    return _silu_and_mul.for_tensor(x)(x)
 
 
 if USE_TRITON:
     from .triton_activation import silu_and_mul_triton
 
-    _silu_and_mul_op.register_kernel("cuda")(silu_and_mul_triton)
+    _silu_and_mul.register_kernel("cuda", silu_and_mul_triton)

@@ -28,7 +28,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import runs_reference_directly
+from ._eager import KernelOp, runs_reference_directly
 from ._triton import USE_TRITON
 from .kv_cache import KV_CACHE_DTYPES, check_kv_scales
 from .step_plan import KeyGroup, PagedAttentionPlan, StepPlan
@@ -127,10 +127,10 @@ def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCach
     return out.to(q.dtype).contiguous()  # [B, Hq, D]
 
 
-_paged_attention_op = torch.library.custom_op("kiln::paged_attention", mutates_args=())(paged_attention_reference)
+_paged_attention = KernelOp("kiln::paged_attention", paged_attention_reference)
 
 
-@_paged_attention_op.register_fake
+@_paged_attention.op.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, k_scale=None,
       v_scale=None):
     return q.new_empty(q.shape)
@@ -192,8 +192,8 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
     check_kv_scales(k_cache, k_scale, v_scale)
     if not runs_reference_directly(q):
-        return _paged_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
-                                   int(sliding_window), k_scale, v_scale)
+        return _paged_attention.for_tensor(q)(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                              float(scale), int(sliding_window), k_scale, v_scale)
     if plan is None:
         attention = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     elif plan.attention.describes(block_tables, seq_lens, query_start_loc, k_cache.shape[1]):
@@ -208,4 +208,4 @@ def paged_attention(
 if USE_TRITON:
     from .triton_attention import paged_attention_triton
 
-    _paged_attention_op.register_kernel("cuda")(paged_attention_triton)
+    _paged_attention.register_kernel("cuda", paged_attention_triton)

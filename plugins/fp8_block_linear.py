@@ -23,7 +23,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import runs_reference_directly
+from ._eager import KernelOp
 from ._triton import USE_TRITON
 from .quant_linear import FP8_MAX, MIN_DYNAMIC_SCALE
 
@@ -76,11 +76,10 @@ def fp8_block_linear_reference(
     return y.to(x.dtype)
 
 
-_fp8_block_linear_op = torch.library.custom_op("kiln::fp8_block_linear", mutates_args=())(
-    fp8_block_linear_reference)
+_fp8_block_linear = KernelOp("kiln::fp8_block_linear", fp8_block_linear_reference)
 
 
-@_fp8_block_linear_op.register_fake
+@_fp8_block_linear.op.register_fake
 def _(x, weight, weight_scale_inv, block_size, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -132,11 +131,10 @@ def fp8_block_linear(
         check_size("bias", bias, 0, n, "output features of the weight")
         tensors["bias"] = bias
     check_same_device(**tensors)
-    op = fp8_block_linear_reference if runs_reference_directly(x) else _fp8_block_linear_op
-    return op(x, weight, weight_scale_inv, sizes, bias)
+    return _fp8_block_linear.for_tensor(x)(x, weight, weight_scale_inv, sizes, bias)
 
 
 if USE_TRITON:
     from .triton_fp8_block_linear import fp8_block_linear_triton
 
-    _fp8_block_linear_op.register_kernel("cuda")(fp8_block_linear_triton)
+    _fp8_block_linear.register_kernel("cuda", fp8_block_linear_triton)

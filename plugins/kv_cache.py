@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_same_device, check_size
-from ._eager import runs_reference_directly
+from ._eager import KernelOp, runs_reference_directly
 from ._triton import USE_TRITON
 from .step_plan import StepPlan, slots_skip
 
@@ -72,11 +72,11 @@ def plan_skips(plan: StepPlan | None, slot_mapping: torch.Tensor) -> bool:
     return plan.skips_slots
 
 
-_write_kv_cache_op = torch.library.custom_op("kiln::write_kv_cache", mutates_args=("k_cache", "v_cache"))(
-    write_kv_cache_reference)
+_write_kv_cache = KernelOp("kiln::write_kv_cache", write_kv_cache_reference,
+                          mutates_args=("k_cache", "v_cache"))
 
 
-@_write_kv_cache_op.register_fake
+@_write_kv_cache.op.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
@@ -135,7 +135,7 @@ def write_kv_cache(
     slot_mapping where the reference runs (None elsewhere), which says whether any slot is -1."""
     check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if not runs_reference_directly(k):
-        _write_kv_cache_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        _write_kv_cache.for_tensor(k)(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     write_kv_slots(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, plan_skips(plan, slot_mapping))
 
@@ -143,4 +143,4 @@ def write_kv_cache(
 if USE_TRITON:
     from .triton_rotary_kv import write_kv_cache_triton
 
-    _write_kv_cache_op.register_kernel("cuda")(write_kv_cache_triton)
+    _write_kv_cache.register_kernel("cuda", write_kv_cache_triton)

@@ -27,7 +27,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import runs_reference_directly
+from ._eager import KernelOp
 from ._triton import USE_TRITON
 from .activation import silu_and_mul_reference
 
@@ -82,10 +82,10 @@ def _fused_moe_every_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.T
     return out
 
 
-_fused_moe_op = torch.library.custom_op("kiln::fused_moe", mutates_args=())(fused_moe_reference)
+_fused_moe = KernelOp("kiln::fused_moe", fused_moe_reference)
 
 
-@_fused_moe_op.register_fake
+@_fused_moe.op.register_fake
 def _(x, router_logits, w_gate_up, w_down, top_k, renormalize):
     return torch.empty_like(x)
 
@@ -116,11 +116,10 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k!r} must be an integer in [1, {experts}] (the number of experts)")
     check_same_device(x=x, router_logits=router_logits, w_gate_up=w_gate_up, w_down=w_down)
-    op = fused_moe_reference if runs_reference_directly(x) else _fused_moe_op
-    return op(x, router_logits, w_gate_up, w_down, top_k, bool(renormalize))
+    return _fused_moe.for_tensor(x)(x, router_logits, w_gate_up, w_down, top_k, bool(renormalize))
 
 
 if USE_TRITON:
     from .triton_moe import fused_moe_triton
 
-    _fused_moe_op.register_kernel("cuda")(fused_moe_triton)
+    _fused_moe.register_kernel("cuda", fused_moe_triton)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_same_device, check_size
-from ._eager import runs_reference_directly
+from ._eager import KernelOp
 from ._triton import USE_TRITON
 
 
@@ -22,10 +22,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (xf * inv_rms).to(x.dtype).mul_(weight)
 
 
-_rms_norm_op = torch.library.custom_op("kiln::rms_norm", mutates_args=())(rms_norm_reference)
+_rms_norm = KernelOp("kiln::rms_norm", rms_norm_reference)
 
 
-@_rms_norm_op.register_fake
+@_rms_norm.op.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
 
@@ -37,11 +37,10 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
-_fused_add_rms_norm_op = torch.library.custom_op("kiln::fused_add_rms_norm", mutates_args=())(
-    fused_add_rms_norm_reference)
+_fused_add_rms_norm = KernelOp("kiln::fused_add_rms_norm", fused_add_rms_norm_reference)
 
 
-@_fused_add_rms_norm_op.register_fake
+@_fused_add_rms_norm.op.register_fake
 def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
@@ -57,9 +56,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. x: [..., H]; weight: [H] (same dtype) -> [..., H]."""
     _check(x, weight)
-    if runs_reference_directly(x):
-        return rms_norm_reference(x, weight, eps)
-    return _rms_norm_op(x, weight, eps)
+    # float(eps): what the op's `float eps` hands its implementation, whichever of them runs.
+    return _rms_norm.for_tensor(x)(x, weight, float(eps))
 
 
 def fused_add_rms_norm(
@@ -74,12 +72,11 @@ def fused_add_rms_norm(
         raise ValueError(
             f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}"
         )
-    op = fused_add_rms_norm_reference if runs_reference_directly(x) else _fused_add_rms_norm_op
-    return op(x, residual, weight, eps)
+    return _fused_add_rms_norm.for_tensor(x)(x, residual, weight, float(eps))
 
 
 if USE_TRITON:
     from .triton_norm import fused_add_rms_norm_triton, rms_norm_triton
 
-    _rms_norm_op.register_kernel("cuda")(rms_norm_triton)
-    _fused_add_rms_norm_op.register_kernel("cuda")(fused_add_rms_norm_triton)
+    _rms_norm.register_kernel("cuda", rms_norm_triton)
+    _fused_add_rms_norm.register_kernel("cuda", fused_add_rms_norm_triton)

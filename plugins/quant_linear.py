@@ -25,7 +25,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import runs_reference_directly
+from ._eager import KernelOp, runs_reference_directly
 from ._triton import USE_TRITON
 from .int4_pack import unpack_int4
 
@@ -93,10 +93,10 @@ def scaled_linear_reference(
     return y.to(x.dtype)
 
 
-_scaled_linear_op = torch.library.custom_op("kiln::scaled_linear", mutates_args=())(scaled_linear_reference)
+_scaled_linear = KernelOp("kiln::scaled_linear", scaled_linear_reference)
 
 
-@_scaled_linear_op.register_fake
+@_scaled_linear.op.register_fake
 def _(x, weight, weight_scale, input_scale, bias, pre_quant_scale):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -157,8 +157,7 @@ def scaled_linear(
     _check_bias_and_smoothing(x, n, k, bias, pre_quant_scale)
     check_same_device(x=x, weight=weight, weight_scale=weight_scale,
                       **_optional(input_scale=input_scale, bias=bias, pre_quant_scale=pre_quant_scale))
-    op = scaled_linear_reference if runs_reference_directly(x) else _scaled_linear_op
-    return op(x, weight, weight_scale, input_scale, bias, pre_quant_scale)
+    return _scaled_linear.for_tensor(x)(x, weight, weight_scale, input_scale, bias, pre_quant_scale)
 
 
 def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
@@ -256,11 +255,10 @@ def weight_only_linear_reference(
     return y.to(x.dtype)
 
 
-_weight_only_linear_op = torch.library.custom_op("kiln::weight_only_linear", mutates_args=())(
-    weight_only_linear_reference)
+_weight_only_linear = KernelOp("kiln::weight_only_linear", weight_only_linear_reference)
 
 
-@_weight_only_linear_op.register_fake
+@_weight_only_linear.op.register_fake
 def _(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx=None):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
@@ -288,13 +286,13 @@ def weight_only_linear(
     _check_x(x, k, "input features of qweight")
     _check_bias_and_smoothing(x, qweight.shape[0], k, bias, pre_quant_scale)
     check_same_device(x=x, qweight=qweight, **_optional(bias=bias, pre_quant_scale=pre_quant_scale))
-    op = weight_only_linear_reference if runs_reference_directly(x) else _weight_only_linear_op
-    return op(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx)
+    return _weight_only_linear.for_tensor(x)(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale,
+                                             g_idx)
 
 
 if USE_TRITON:
     from .triton_scaled_linear import scaled_linear_triton
     from .triton_weight_only import weight_only_linear_triton
 
-    _scaled_linear_op.register_kernel("cuda")(scaled_linear_triton)
-    _weight_only_linear_op.register_kernel("cuda")(weight_only_linear_triton)
+    _scaled_linear.register_kernel("cuda", scaled_linear_triton)
+    _weight_only_linear.register_kernel("cuda", weight_only_linear_triton)

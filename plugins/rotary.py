@@ -16,7 +16,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import runs_reference_directly
+from ._eager import KernelOp
 from ._triton import USE_TRITON
 
 
@@ -41,10 +41,10 @@ def rotary_embedding_reference(
     return _rotate(q, cos_q, sin_q), _rotate(k, cos_q, sin_q)
 
 
-_rotary_op = torch.library.custom_op("kiln::rotary_embedding", mutates_args=())(rotary_embedding_reference)
+_rotary = KernelOp("kiln::rotary_embedding", rotary_embedding_reference)
 
 
-@_rotary_op.register_fake
+@_rotary.op.register_fake
 def _(q, k, cos, sin):
     return torch.empty_like(q), torch.empty_like(k)
 
@@ -75,11 +75,10 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
     check_rotary_args(q, k, cos, sin)
-    op = rotary_embedding_reference if runs_reference_directly(q) else _rotary_op
-    return op(q, k, cos, sin)
+    return _rotary.for_tensor(q)(q, k, cos, sin)
 
 
 if USE_TRITON:
     from .triton_rotary_kv import rotary_embedding_triton
 
-    _rotary_op.register_kernel("cuda")(rotary_embedding_triton)
+    _rotary.register_kernel("cuda", rotary_embedding_triton)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._eager import runs_reference_directly
+from ._eager import KernelOp, runs_reference_directly
 from ._triton import USE_TRITON
 from .kv_cache import check_kv_write_args, plan_skips, write_kv_slots
 from .rotary import check_rotary_args, rotary_embedding_reference
@@ -39,12 +39,11 @@ def _rotate_and_write(
     return q_rot
 
 
-_rotary_kv_op = torch.library.custom_op(
-    "kiln::rotary_embedding_and_write_kv", mutates_args=("k_cache", "v_cache")
-)(rotary_embedding_and_write_kv_reference)
+_rotary_kv = KernelOp("kiln::rotary_embedding_and_write_kv", rotary_embedding_and_write_kv_reference,
+                      mutates_args=("k_cache", "v_cache"))
 
 
-@_rotary_kv_op.register_fake
+@_rotary_kv.op.register_fake
 def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
@@ -63,7 +62,7 @@ def rotary_embedding_and_write_kv(
     check_rotary_args(q, k, cos, sin)
     check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if not runs_reference_directly(q):
-        return _rotary_kv_op(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return _rotary_kv.for_tensor(q)(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return _rotate_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                              plan_skips(plan, slot_mapping))
 
@@ -71,4 +70,4 @@ def rotary_embedding_and_write_kv(
 if USE_TRITON:
     from .triton_rotary_kv import rotary_embedding_and_write_kv_triton
 
-    _rotary_kv_op.register_kernel("cuda")(rotary_embedding_and_write_kv_triton)
+    _rotary_kv.register_kernel("cuda", rotary_embedding_and_write_kv_triton)

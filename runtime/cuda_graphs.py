@@ -25,11 +25,13 @@ from kiln.model_defs.layers import ForwardContext
 
 from .block_table_mirror import BlockTableMirror
 from .kv_cache import LayerCache, LayerScales
+from .model_step import TokenFeed
 from .scheduler import SchedulerOutput
 from .step_inputs import rope_length, slot_of
 
-# A padding row of the int buffers (input_ids, positions, rope_lengths, slot_mapping): it writes nothing.
-_PADDING_ROW = np.array([[0], [0], [1], [-1]], dtype=np.int64)
+# A padding row of the int buffers (input_ids, positions, rope_lengths, slot_mapping, feed row): it writes
+# nothing.
+_PADDING_ROW = np.array([[0], [0], [1], [-1], [-1]], dtype=np.int64)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -48,15 +50,18 @@ class DecodeBatch:
     rope_lengths: Sequence[int]
     slots: Sequence[int]
     block_tables: Sequence[Sequence[int]]
+    # Per row, the row of the previous step's sampled tokens its input token is (async scheduling), -1: none
+    feed_rows: Sequence[int] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
 
 def decode_batch(step: SchedulerOutput, block_size: int, model: CausalLM,
-                 prompt_logprob_targets: dict[str, list[int]]) -> DecodeBatch | None:
+                 prompt_logprob_targets: dict[str, list[int]], feed: TokenFeed | None = None) -> DecodeBatch | None:
     """The step as a DecodeBatch when a captured graph can run it: one token computed and sampled per
-    request, no prompt logprobs, and rope tables that need no per-length work; else None."""
+    request, no prompt logprobs, and rope tables that need no per-length work; else None. `feed`: where
+    the PLACEHOLDER input tokens come from (async scheduling)."""
     ids, positions, rope_lengths, slots, tables = [], [], [], [], []
     for r in step.requests:
         if len(r.token_ids) != 1 or r.num_sampled != 1 or r.request_id in prompt_logprob_targets:
@@ -69,7 +74,18 @@ def decode_batch(step: SchedulerOutput, block_size: int, model: CausalLM,
         tables.append(r.block_ids)
     if model.needs_per_length_rope(max(rope_lengths)):
         return None
-    return DecodeBatch(ids, positions, rope_lengths, slots, tables)
+    return DecodeBatch(ids, positions, rope_lengths, slots, tables, feed.rows if feed is not None else None)
+
+
+class _Staging:
+    """Pinned host buffers of the graphs' int inputs, and the event recorded after the copies out of them."""
+
+    def __init__(self, g: int, mb: int, device: torch.device) -> None:
+        self.ints = torch.zeros(5, g, dtype=torch.int64, pin_memory=True)  # [5, G] as DecodeGraphs._ints
+        self.seq_lens = torch.zeros(g, dtype=torch.int32, pin_memory=True)  # [G]
+        self.tables = torch.zeros(g, mb, dtype=torch.int32, pin_memory=True)  # [G, MB]
+        # synchronize() on a never-recorded event returns at once; None off CUDA (tests run the host side there)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
 
 class DecodeGraphs:
@@ -83,19 +99,18 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         g, mb = max_batch_size, max_blocks_per_seq
         # Device buffers read by every graph (allocated once; graphs hold their addresses).
-        # ints: [4, G] int64 rows = input_ids, positions, rope_lengths, slot_mapping
-        self._ints = torch.zeros(4, g, dtype=torch.int64, device=device)
+        # ints: [5, G] int64 rows = input_ids, positions, rope_lengths, slot_mapping, feed rows (the row of
+        # _fed whose token replaces the input id, -1: none)
+        self._ints = torch.zeros(5, g, dtype=torch.int64, device=device)
+        self._fed = torch.zeros(g, dtype=torch.int64, device=device)  # [G] the previous step's sampled tokens
         self._seq_lens = torch.zeros(g, dtype=torch.int32, device=device)  # [G] int32
         self._tables = torch.zeros(g, mb, dtype=torch.int32, device=device)  # [G, MB] int32 block tables
         self._query_start_loc = torch.arange(g + 1, dtype=torch.int32, device=device)  # one token per sequence
-        # Pinned staging of the same layout. Refilled each step; safe because the engine reads the sampled
-        # tokens back (a sync) after every replay, so the previous copy has finished before the next fill.
-        self._host_ints = torch.zeros(4, g, dtype=torch.int64, pin_memory=True)
-        self._host_seq_lens = torch.zeros(g, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.zeros(g, mb, dtype=torch.int32, pin_memory=True)
-        self._np_ints = self._host_ints.numpy()
-        self._np_seq_lens = self._host_seq_lens.numpy()
-        self._np_tables = self._host_tables.numpy()
+        # Pinned staging of the same layout, two sets used in turn: with async scheduling the host fills the
+        # next step's inputs while the copies of the step before may still wait in the GPU's queue. A set is
+        # refilled only once the copies out of it have run (its event).
+        self._staging = [_Staging(g, mb, device) for _ in range(2)]
+        self._turn = 0
         # The batch's tables, a row per table kept across steps (rows to spare for requests that come and go).
         self._mirror = BlockTableMirror(2 * g, mb)
         self._kv_caches = kv_caches
@@ -111,7 +126,10 @@ class DecodeGraphs:
             kv_scales=self._kv_scales)
 
     def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.model(self._ints[0, :size], self._context(size))  # [size, H]
+        # Async scheduling: a row's input id is the token the previous step sampled for it, fed on the device.
+        rows = self._ints[4, :size]  # [size] int64
+        input_ids = torch.where(rows >= 0, self._fed.gather(0, rows.clamp(min=0)), self._ints[0, :size])
+        hidden = self.model(input_ids, self._context(size))  # [size, H]
         return self.model.compute_logits(hidden)  # [size, V] float32
 
     @torch.inference_mode()
@@ -122,6 +140,7 @@ class DecodeGraphs:
         self._ints.zero_()
         self._ints[2].fill_(1)
         self._ints[3].fill_(-1)
+        self._ints[4].fill_(-1)
         self._tables.zero_()
         self._seq_lens.zero_()
         pool = torch.cuda.graph_pool_handle()
@@ -147,15 +166,21 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_batch_size
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Replays the graph for `batch`; returns its logits [len(batch), V] float32, valid until the next run."""
+    def run(self, batch: DecodeBatch, fed_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays the graph for `batch`; returns its logits [len(batch), V] float32, valid until the next run.
+        `fed_tokens`: [B] int64 on the device, the previous step's sampled tokens that `batch.feed_rows` index."""
         n = len(batch)
         size = next(s for s in self.sizes if s >= n)
-        ints, seq_lens, tables = self._np_ints, self._np_seq_lens, self._np_tables
+        stage = self._staging[self._turn]
+        self._turn ^= 1
+        if stage.copied is not None:
+            stage.copied.synchronize()  # its last copies have run (long since, in practice)
+        ints, seq_lens, tables = stage.ints.numpy(), stage.seq_lens.numpy(), stage.tables.numpy()
         ints[0, :n] = batch.input_ids
         ints[1, :n] = batch.positions
         ints[2, :n] = batch.rope_lengths
         ints[3, :n] = batch.slots
+        ints[4, :n] = batch.feed_rows if batch.feed_rows is not None else -1
         ints[:, n:size] = _PADDING_ROW
         seq_lens[:n] = batch.positions
         seq_lens[:n] += 1
@@ -163,8 +188,12 @@ class DecodeGraphs:
         # Up to the batch's longest table; the stale block ids past a sequence's own blocks are never read
         # (attention stops at its length), nor those of the padding rows (length 0).
         self._mirror.gather(batch.block_tables, out=tables[:n])
-        self._ints.copy_(self._host_ints, non_blocking=True)  # whole rows: a strided slice would not be async
-        self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
-        self._tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+        if batch.feed_rows is not None:
+            self._fed[:len(fed_tokens)].copy_(fed_tokens)  # device to device, queued behind the previous step
+        self._ints.copy_(stage.ints, non_blocking=True)  # whole rows: a strided slice would not be async
+        self._seq_lens.copy_(stage.seq_lens, non_blocking=True)
+        self._tables[:size].copy_(stage.tables[:size], non_blocking=True)
+        if stage.copied is not None:
+            stage.copied.record()
         self._graphs[size].replay()
         return self._logits[size][:n]

@@ -17,10 +17,10 @@ from .engine_loader import EngineInfo, RuntimeConfig
 from .executor import Executor
 from .memory import MemoryReport
 from .min_tokens import apply_min_tokens
-from .model_step import StepInput
+from .model_step import StepInput, TokenFeed
 from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobTarget
-from .request import Request, RequestStatus
+from .request import PLACEHOLDER, Request, RequestStatus
 from .request_checks import Prompt, check_fits, tokenize_prompt
 from .sampler import DeviceSample, Sampler
 from .sampling_params import SamplingParams
@@ -42,6 +42,9 @@ class _Launched:
     request_ids: tuple[str, ...]  # the scheduled requests, in schedule order
     logits_offsets: tuple[int, ...]  # request i's sampled rows: [offsets[i], offsets[i + 1])
     sample: DeviceSample | None  # the sampled tokens, still on the device
+    # Whether the next step may be scheduled before this one's tokens are read back (async scheduling):
+    # nothing the next step's sampling needs depends on their values.
+    feeds_forward: bool = False
 
 
 class LLMEngine:
@@ -70,6 +73,15 @@ class LLMEngine:
         self._tracked: dict[str, TrackedRequest] = {}
         self._ids = itertools.count()
         self._inflight: _Launched | None = None
+        # Async scheduling: schedule and launch step N+1 before step N's tokens are read back, its input
+        # tokens fed from N's samples on the device, so the host's work overlaps the GPU's. On by default
+        # where the host and the device run side by side (CUDA); the CPU computes inside the launch, where
+        # overlapping would only hold each token back a step.
+        overlap = runtime.async_scheduling
+        if overlap is None:
+            overlap = runtime.device.type == "cuda"
+        self.async_scheduling = bool(overlap) and getattr(executor, "accepts_token_feed", False) and \
+            speculator is None
         # Tokens read back but not yet turned into text: (request, token, its index among the request's
         # output tokens, whether the token adds text).
         self._pending: list[tuple[TrackedRequest, int, int, bool]] = []
@@ -171,24 +183,34 @@ class LLMEngine:
         and that extra token is dropped. EOS, stop token ids and max_tokens end a request before the next
         step is scheduled.
         """
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
+        inflight, self._inflight = self._inflight, None
+        # Async scheduling: the step in flight is advanced with placeholders for its tokens and read back only
+        # after the next one is launched; else it is read back first.
+        overlap = inflight is not None and inflight.feeds_forward and self.token_masker is None
+        finishing: set[str] = set()
+        if overlap:
+            finishing = self.scheduler.advance_inflight(inflight.schedule, self.runtime.max_seq_len)
+        elif inflight is not None:
             self._complete(inflight)
         if self.speculator is not None:  # drafts for the decoding requests, verified by the step scheduled next
             self.speculator.propose(self.scheduler.running, lambda rid: self._tracked[rid].sampling_row())
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(finishing)
         self.num_preemptions += len(scheduled.preempted_ids)
         if not scheduled.is_empty:
-            self._inflight = self._launch(scheduled)
+            self._inflight = self._launch(scheduled, inflight if overlap else None)
+        if overlap:
+            self._complete(inflight, resolve=True)
         pending, self._pending = self._pending, []
         outputs = (self._emit(*item, final_only=final_only) for item in pending)
         return [out for out in outputs if out is not None]
 
-    def _launch(self, scheduled: SchedulerOutput) -> _Launched:
-        requests = (self._tracked[r.request_id].request for r in scheduled.requests)
+    def _launch(self, scheduled: SchedulerOutput, previous: _Launched | None = None) -> _Launched:
+        """Runs the network and queues the sampling of a scheduled step. `previous`: the step still in flight
+        whose sampled tokens are this step's PLACEHOLDER inputs (async scheduling)."""
+        requests = [self._tracked[r.request_id].request for r in scheduled.requests]
         targets = {r.request_id: PromptLogprobTarget(r.prompt_token_ids, r.sampling_params.prompt_top_logprobs)
                    for r in requests if r.sampling_params.prompt_logprobs}
-        result = self.executor.execute(StepInput(scheduled, targets))
+        result = self.executor.execute(StepInput(scheduled, targets, _token_feed(scheduled, previous)))
         for request_id, (first, values, tops) in result.prompt_logprobs.items():
             tracked = self._tracked[request_id]
             tracked.prompt_logprobs[first + 1:first + 1 + len(values)] = values
@@ -212,12 +234,16 @@ class LLMEngine:
             if self.speculator is not None:
                 drafts = self.speculator.draft_rows(scheduled.requests, offsets, vocab_size, device)
             sample = self.sampler.sample(result.logits, rows, mask, drafts)
-        return _Launched(scheduled, result.request_ids, result.logits_offsets, sample)
+        feeds_forward = self.async_scheduling and self.token_masker is None and \
+            all(offsets[i + 1] - offsets[i] <= 1 for i in range(len(requests))) and \
+            not any(r.sampling_params.has_penalties for r in requests)
+        return _Launched(scheduled, result.request_ids, result.logits_offsets, sample, feeds_forward)
 
-    def _complete(self, launched: _Launched) -> None:
+    def _complete(self, launched: _Launched, resolve: bool = False) -> None:
         """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
         token id or their length, checking token by token; their text is left for _emit. One pass per
-        request: this runs between the GPU's steps, for every request in the batch."""
+        request: this runs between the GPU's steps, for every request in the batch. `resolve`: the step was
+        already advanced (`Scheduler.advance_inflight`), its tokens replace the placeholders."""
         out = launched.sample.to_host() if launched.sample is not None else None
         offsets = launched.logits_offsets
         eos, max_seq_len = self.eos_token_ids, self.runtime.max_seq_len
@@ -231,6 +257,8 @@ class LLMEngine:
             request = tracked.request
             params = request.sampling_params
             num_output, num_tokens = len(request.output_token_ids), request.num_tokens
+            if resolve:  # the placeholder stands for this step's token
+                num_output, num_tokens = num_output - 1, num_tokens - 1
             # One token per sampled row; with drafts, the tokens up to the first that differs from its draft.
             drafts = launched.schedule.requests[i].draft_token_ids
             row_tokens = out.token_ids[first_row:end_row]
@@ -256,7 +284,10 @@ class LLMEngine:
                 self._pending.append((tracked, token, num_output + k, last_adds_text or k < kept - 1))
             if status is not None:
                 endings.append((request_id, status))
-        self.scheduler.update_after_step(launched.schedule, accepted)
+        if resolve:
+            self.scheduler.resolve_inflight(launched.schedule, accepted)
+        else:
+            self.scheduler.update_after_step(launched.schedule, accepted)
         if self.token_masker is not None:
             ending = {request_id for request_id, _ in endings}
             for request_id, tokens in accepted.items():
@@ -315,3 +346,14 @@ class LLMEngine:
     def speculation_stats(self) -> dict | None:
         """Speculative decoding's counters and rates (`SpeculationStats.as_dict`); None without speculation."""
         return None if self.speculator is None else self.speculator.stats.as_dict()
+
+
+def _token_feed(scheduled: SchedulerOutput, previous: _Launched | None) -> TokenFeed | None:
+    """Where each request's PLACEHOLDER input comes from: its row among the previous step's samples."""
+    if previous is None or previous.sample is None:
+        return None
+    offsets = previous.logits_offsets
+    row_of = {rid: offsets[i] for i, rid in enumerate(previous.request_ids) if offsets[i + 1] > offsets[i]}
+    rows = tuple(row_of[r.request_id] if r.token_ids and r.token_ids[-1] == PLACEHOLDER else -1
+                 for r in scheduled.requests)
+    return TokenFeed(previous.sample.token_ids, rows) if any(row >= 0 for row in rows) else None

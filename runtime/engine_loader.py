@@ -52,6 +52,9 @@ class RuntimeConfig:
     kv_cache_memory_fraction: float = 0.9  # share of the memory left after weights and activations
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (on CUDA)
     kv_cache_dtype: torch.dtype | None = None  # the KV cache's own dtype; None = `dtype`
+    # Schedule each step before the one in flight is read back, its tokens fed on the device (engine.py);
+    # None: where that overlaps work (CUDA), False: never, True: wherever the executor can (tests on the CPU).
+    async_scheduling: bool | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -201,7 +204,8 @@ def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch
 def resolve_runtime(info: EngineInfo, *, device: str | torch.device | None = None,
                     max_batch_size: int | None = None, max_num_tokens: int | None = None,
                     num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
-                    kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True) -> RuntimeConfig:
+                    kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
+                    async_scheduling: bool | None = None) -> RuntimeConfig:
     """The runtime's limits: the engine's, or lower ones asked for; a ValueError names the one too high."""
     build = info.config.build
     blocks = None if num_kv_blocks is None else _override("num_kv_blocks", num_kv_blocks, 2**31 - 1, "")
@@ -212,7 +216,8 @@ def resolve_runtime(info: EngineInfo, *, device: str | torch.device | None = Non
         max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=blocks,
         enable_prefix_caching=enable_prefix_caching,
         kv_cache_memory_fraction=check_fraction(kv_cache_memory_fraction), cuda_graphs=bool(cuda_graphs),
-        kv_cache_dtype=build.kv_cache_torch_dtype)
+        kv_cache_dtype=build.kv_cache_torch_dtype,
+        async_scheduling=None if async_scheduling is None else bool(async_scheduling))
 
 
 def engine_quant_config(info: EngineInfo) -> QuantConfig | None:

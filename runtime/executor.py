@@ -23,6 +23,9 @@ class Executor(Protocol):
     memory_report: MemoryReport  # where rank 0's device memory went at startup
     graph_capture_seconds: float
     fault: str | None  # why steps cannot run any more (a rank failed); None while they can
+    # Whether execute takes a StepInput with a TokenFeed (async scheduling): the previous step's tokens stay on
+    # this process's device, which the ranks of a tensor-parallel engine do not share.
+    accepts_token_feed: bool
 
     def execute(self, step: StepInput) -> StepResult:
         """Runs one step on every rank; logits come back on rank 0's device."""
@@ -51,6 +54,7 @@ class LocalExecutor:
         self.memory_report = self.runner.memory_report
         self.graph_capture_seconds = self.runner.graph_capture_seconds
         self.fault = None
+        self.accepts_token_feed = True
 
     def execute(self, step: StepInput) -> StepResult:
         return self.runner.execute(step)

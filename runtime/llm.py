@@ -41,7 +41,8 @@ class LLM:
     Runtime limits default to what the engine was built with and may only be lowered. `num_kv_blocks`
     defaults to `kv_cache_memory_fraction` of the memory left after the weights and one step's activations
     (on the CPU: up to max_batch_size sequences of max_seq_len). On CUDA, decode steps run as CUDA graphs
-    captured at startup unless `cuda_graphs=False`.
+    captured at startup unless `cuda_graphs=False`, and each step is scheduled while the one before still runs
+    (async scheduling) unless `async_scheduling=False` (True turns it on off CUDA too, for tests).
 
     Every engine file's size and sha256 are checked against engine.json's manifest; a file's hash is
     computed once per file version and then trusted through a stamp kept outside the engine (see
@@ -56,13 +57,13 @@ class LLM:
                  max_batch_size: int | None = None, max_num_tokens: int | None = None,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
-                 verify_checksums: bool = True,
+                 async_scheduling: bool | None = None, verify_checksums: bool = True,
                  speculative_config: SpeculativeConfig | dict | None = None) -> None:
         self.engine = create_engine(engine_dir, device=device, max_batch_size=max_batch_size,
                                     max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
                                     enable_prefix_caching=enable_prefix_caching,
                                     kv_cache_memory_fraction=kv_cache_memory_fraction, cuda_graphs=cuda_graphs,
-                                    verify_checksums=verify_checksums,
+                                    async_scheduling=async_scheduling, verify_checksums=verify_checksums,
                                     speculative_config=speculative_config)
         self._aborted: list[RequestOutput] = []  # final outputs of abort() calls, for stream() to yield
         self._streamed: set[str] = set()  # requests some stream() is iterating over

@@ -24,7 +24,7 @@ from .kv_cache import KVCache, rank_cache_config
 from .memory_profile import profile_activation_bytes
 from .model_step import StepInput, StepResult
 from .prompt_logprobs import prompt_logprobs
-from .step_inputs import pack_step
+from .step_inputs import feed_tokens, pack_step
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -122,14 +122,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
         """Runs one step: a captured graph for a plain decode batch, else the packed batch eagerly."""
-        schedule, targets = step.schedule, step.prompt_logprob_targets
+        schedule, targets, feed = step.schedule, step.prompt_logprob_targets, step.token_feed
         request_ids = tuple(r.request_id for r in schedule.requests)
         if self.graphs is not None and self.graphs.fits(len(schedule.requests)):
-            batch = decode_batch(schedule, self.block_size, self.model, targets)
+            batch = decode_batch(schedule, self.block_size, self.model, targets, feed)
             if batch is not None:
-                logits = self.graphs.run(batch)  # [n, V]
+                logits = self.graphs.run(batch, feed.tokens if feed is not None else None)  # [n, V]
                 return StepResult(logits, request_ids, tuple(range(len(batch) + 1)))
         packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device, self.kv_cache.scales)
+        if feed is not None:
+            feed_tokens(packed.input_ids, schedule, feed)
         hidden = self.model(packed.input_ids, packed.context)  # [T, H]
         logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, V]
         logprobs = prompt_logprobs(schedule, hidden, targets, self.model.compute_logits) if targets else {}

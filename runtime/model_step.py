@@ -1,7 +1,8 @@
 """What crosses the executor boundary: a plain-data step in, logits out.
 
 `StepInput` is what rank 0 would send to every other rank of a tensor-parallel engine (plain Python, no
-tensors); `StepResult` is what the engine samples from.
+tensors, except a `TokenFeed`, which only a local executor takes); `StepResult` is what the engine samples
+from.
 """
 
 from __future__ import annotations
@@ -15,11 +16,22 @@ from .scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
+class TokenFeed:
+    """Async scheduling: the tokens the step before sampled, still on the device, that this step's
+    PLACEHOLDER input tokens stand for. Scheduled request i's last token is tokens[rows[i]] where rows[i] >= 0
+    (its token_ids end with the PLACEHOLDER); -1: its tokens are all known."""
+
+    tokens: torch.Tensor  # [B] int64 on the runtime device: the previous step's sampled tokens
+    rows: tuple[int, ...]  # per scheduled request
+
+
+@dataclass(frozen=True)
 class StepInput:
     schedule: SchedulerOutput
     # request id -> its prompt token ids (the targets that this step's prompt positions predict) and how many
     # top tokens per position, for the requests that asked for prompt logprobs.
     prompt_logprob_targets: dict[str, PromptLogprobTarget] = field(default_factory=dict)
+    token_feed: TokenFeed | None = None  # None: every input token is known on the host
 
 
 @dataclass(frozen=True)

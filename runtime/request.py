@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
 
+# An output token sampled by a step still running (async scheduling: the next step is scheduled before the
+# token is read back, and the device feeds it in). Replaced by the real token when the step completes.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -6,7 +6,7 @@ Works on CPU and CUDA logits. The only host sync is reading the sampled tokens (
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,27 +65,39 @@ class SamplerOutput:
 @dataclass(frozen=True)
 class DeviceSample:
     """A step's sampled tokens still on the logits' device: launching the sampling does not wait for the
-    GPU; `to_host` does (the one host sync of a step)."""
+    GPU; `to_host` does (the one host sync of a step).
+
+    The copies back to the host are queued when the sample is made, right behind the sampling kernels, and
+    an event marks their end: a step launched after this one (async scheduling) queues behind them, so
+    `to_host` waits for this step only, not for the GPU's whole queue."""
 
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, when some row asked for logprobs
     top: tuple[torch.Tensor, torch.Tensor] | None  # ([B, k] float32 values, [B, k] int64 ids), most likely first
     top_counts: tuple[int, ...]  # per row, how many of the top-k it asked for
+    # (host copies of token_ids, logprobs, top, the event recorded after them or None off CUDA); set at init
+    _host: tuple = field(init=False, repr=False, compare=False)
 
-    def to_host(self) -> SamplerOutput:
-        # Queue every copy before the first wait, so the GPU finishes once and the copies follow back to back.
+    def __post_init__(self) -> None:
         tokens = self.token_ids.to("cpu", non_blocking=True)
         logprobs = self.logprobs.to("cpu", non_blocking=True) if self.logprobs is not None else None
-        top = None
-        if self.top is not None:
-            values, indices = (t.to("cpu", non_blocking=True) for t in self.top)
+        top = tuple(t.to("cpu", non_blocking=True) for t in self.top) if self.top is not None else None
+        done = None
         if self.token_ids.device.type == "cuda":
-            torch.cuda.current_stream(self.token_ids.device).synchronize()
-        if self.top is not None:
-            values, indices = values.tolist(), indices.tolist()
-            top = [list(zip(indices[i][:k], values[i][:k])) for i, k in enumerate(self.top_counts)]
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.token_ids.device))
+        object.__setattr__(self, "_host", (tokens, logprobs, top, done))
+
+    def to_host(self) -> SamplerOutput:
+        tokens, logprobs, top, done = self._host
+        if done is not None:
+            done.synchronize()
+        top_pairs = None
+        if top is not None:
+            values, indices = (t.tolist() for t in top)
+            top_pairs = [list(zip(indices[i][:k], values[i][:k])) for i, k in enumerate(self.top_counts)]
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs.tolist() if logprobs is not None else None,
-                             top_logprobs=top)
+                             top_logprobs=top_pairs)
 
 
 class Sampler:

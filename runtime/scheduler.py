@@ -13,11 +13,11 @@ queue, to be recomputed (its generated tokens are kept and re-fed), so no reques
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from .block_manager import BlockManager, CachedPrefix
-from .request import Request, RequestStatus
+from .request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,17 @@ class Scheduler:
         return request
 
     # ---- one step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, finishing: Collection[str] = ()) -> SchedulerOutput:
+        """The next step. `finishing`: running requests that end when the step in flight completes (async
+        scheduling knows that of a request reaching its length before its last token is read back): they
+        are left out, so their tables never grow past what they may hold."""
         budget = self.limits.max_num_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
         for request in list(self.running):
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if request.status != RequestStatus.RUNNING or request.request_id in finishing:
+                continue  # preempted earlier in this loop, or ending
             if budget == 0 or len(scheduled) == self.limits.max_batch_size:
                 break
             # A decoding request's drafts (speculative decoding) are computed with its last token; the budget
@@ -179,6 +182,45 @@ class Scheduler:
         request.draft_token_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def advance_inflight(self, output: SchedulerOutput, max_seq_len: int) -> set[str]:
+        """Async scheduling, before a launched step's tokens are read back: advances each of its requests past
+        the tokens it computes and gives each sampled one a PLACEHOLDER output token, so the next step can be
+        scheduled now (the device feeds the real token in). Returns the requests that end when the step
+        completes whatever token it samples (max_tokens or max_seq_len reached): `schedule(finishing=...)`.
+        Needs one sampled position per request (no drafts); `resolve_inflight` finishes the update."""
+        finishing = set()
+        for item in output.requests:
+            request = self._requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:  # ended while the step ran
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            if item.num_sampled:
+                request.output_token_ids.append(PLACEHOLDER)
+                if len(request.output_token_ids) >= request.sampling_params.max_tokens or \
+                        request.num_tokens >= max_seq_len:
+                    finishing.add(item.request_id)
+        return finishing
+
+    def resolve_inflight(self, output: SchedulerOutput, accepted: Mapping[str, Sequence[int]]) -> None:
+        """Async scheduling, once the step `advance_inflight` advanced is read back: its sampled token replaces
+        each request's PLACEHOLDER, and blocks the step filled enter the prefix cache (only now are their
+        tokens known)."""
+        for item in output.requests:
+            request = self._requests.get(item.request_id)
+            if request is None:
+                continue
+            if item.num_sampled:
+                tokens = accepted.get(item.request_id, ())
+                if len(tokens) != 1 or request.output_token_ids[-1] != PLACEHOLDER:
+                    raise RuntimeError(f"request {item.request_id}: no placeholder for its token {tokens}")
+                request.output_token_ids[-1] = tokens[0]
+            if request.status != RequestStatus.RUNNING:  # preempted by the step scheduled since: recomputed
+                continue
+            # The step's tokens end at the computed count the advance left (the next step is not advanced yet).
+            end = request.num_computed_tokens
+            if end // self.blocks.block_size > (end - len(item.token_ids)) // self.blocks.block_size:
+                self.blocks.cache_full_blocks(request.request_id, request.token_view(), end)
 
     def update_after_step(self, output: SchedulerOutput, accepted: Mapping[str, Sequence[int]]) -> None:
         """Advances each scheduled request past the tokens it computed and appends its accepted tokens.

@@ -23,6 +23,7 @@ from kiln.model_defs.layers import ForwardContext
 from .block_table_mirror import BlockTableMirror
 from .host_tensors import array_to_device, to_device
 from .kv_cache import LayerCache, LayerScales
+from .model_step import TokenFeed
 from .scheduler import SchedulerOutput
 
 
@@ -138,3 +139,21 @@ def pack_step(step: SchedulerOutput, block_size: int, kv_caches: tuple[LayerCach
                             query_lens=query_lens, kv_caches=kv_caches, device=device, kv_scales=kv_scales)
     return PackedStep(to_device(input_ids, torch.int64, device), context,
                       to_device(sample_rows, torch.int64, device), tuple(offsets))
+
+
+def feed_tokens(input_ids: torch.Tensor, step: SchedulerOutput, feed: TokenFeed) -> None:
+    """Async scheduling: writes the previous step's sampled tokens over the PLACEHOLDER inputs of a packed
+    step, on the device (no wait): request i's last packed token becomes feed.tokens[feed.rows[i]] where
+    feed.rows[i] >= 0. input_ids: [T] int64, `pack_step`'s."""
+    index: list[int] = []
+    rows: list[int] = []
+    end = 0
+    for r, row in zip(step.requests, feed.rows, strict=True):
+        end += len(r.token_ids)
+        if row >= 0:
+            index.append(end - 1)
+            rows.append(row)
+    if index:
+        device = input_ids.device
+        fed = feed.tokens.index_select(0, to_device(rows, torch.int64, device))  # [F]
+        input_ids.index_copy_(0, to_device(index, torch.int64, device), fed)

@@ -46,6 +46,7 @@ class ServeConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None  # None: on CUDA (see LLM)
     verify_checksums: bool = True  # sha256 of the engine files against the manifest (stamped: once per file)
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (a draft engine or n-gram lookup)
 

@@ -54,7 +54,8 @@ class KilnServer:
                                                 max_batch_size=c.max_batch_size, max_num_tokens=c.max_num_tokens,
                                                 num_kv_blocks=c.num_kv_blocks,
                                                 kv_cache_memory_fraction=c.kv_cache_memory_fraction,
-                                                cuda_graphs=c.cuda_graphs, verify_checksums=c.verify_checksums,
+                                                cuda_graphs=c.cuda_graphs, async_scheduling=c.async_scheduling,
+                                                verify_checksums=c.verify_checksums,
                                                 speculative_config=c.speculative_config)
         self.service = EngineService(self._llm, self.model_name, c.max_queued_requests)
         try:

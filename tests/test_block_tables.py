@@ -253,11 +253,12 @@ def test_decode_graph_staging_holds_each_rows_table_as_batches_change(monkeypatc
         graphs.run(batch)
         replays += 1
         n = len(out.requests)
+        stage = graphs._staging[graphs._turn ^ 1]  # the staging set this run filled (two take turns)
         for i, r in enumerate(out.requests):
-            assert graphs._np_tables[i, :len(r.block_ids)].tolist() == list(r.block_ids)
+            assert stage.tables[i, :len(r.block_ids)].tolist() == list(r.block_ids)
             p = r.start_position
-            assert graphs._np_ints[:, i].tolist() == [r.token_ids[0], p, max(p + 1, r.num_prompt_tokens),
-                                                      r.block_ids[p // BS] * BS + p % BS]
-        assert graphs._np_seq_lens[:n].tolist() == [r.start_position + 1 for r in out.requests]
-        assert torch.equal(graphs._tables, graphs._host_tables)  # what the graph reads
+            assert stage.ints[:, i].tolist() == [r.token_ids[0], p, max(p + 1, r.num_prompt_tokens),
+                                                 r.block_ids[p // BS] * BS + p % BS, -1]
+        assert stage.seq_lens[:n].tolist() == [r.start_position + 1 for r in out.requests]
+        assert torch.equal(graphs._tables[:n], stage.tables[:n])  # what the graph reads
     assert replays > 50

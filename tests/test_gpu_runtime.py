@@ -70,6 +70,33 @@ def test_cuda_graphs_give_the_eager_tokens_under_in_flight_batching(tmp_path, dt
         assert stats["free_blocks"] == stats["total_blocks"]
 
 
+def test_async_scheduling_gives_the_tokens_of_reading_each_step_back_first(tmp_path):
+    """On CUDA each step is launched before the one in flight is read back, its input tokens fed on the device
+    (into the captured graphs' buffers, or the eager packed step): same tokens as reading back first, through
+    graphs and eager steps, EOS endings, seeded sampling and a tight KV cache that preempts."""
+    engine = _cuda_engine(tmp_path, dtype="bfloat16", max_batch_size=24, max_num_tokens=64, max_seq_len=256,
+                          kv_block_size=16)
+    prompts = [[(7 * i + n) % 390 + 2 for i in range(n)] for n in range(3, 60, 3)]
+    params = [SamplingParams(max_tokens=8 + i % 20, temperature=0, ignore_eos=i % 3 != 0) for i in range(len(prompts))]
+    params[4] = SamplingParams(max_tokens=20, temperature=1.0, seed=5, logprobs=True)
+    for graphs in (True, False):
+        on = LLM(engine, num_kv_blocks=40, cuda_graphs=graphs)
+        off = LLM(engine, num_kv_blocks=40, cuda_graphs=graphs, async_scheduling=False)
+        assert on.engine.async_scheduling and not off.engine.async_scheduling
+        fed = []
+        execute = on.engine.executor.execute
+        on.engine.executor.execute = lambda step, fed=fed, execute=execute: \
+            fed.append(step.token_feed is not None) or execute(step)
+        got = [(o.token_ids, o.finish_reason) for o in on.generate(prompts, params)]
+        assert got == [(o.token_ids, o.finish_reason) for o in off.generate(prompts, params)]
+        assert sum(fed) > 10 and on.kv_cache_stats()["num_preemptions"] > 0
+        for llm in (on, off):
+            stats = llm.kv_cache_stats()
+            assert stats["free_blocks"] == stats["total_blocks"]
+        del on, off
+        gc.collect()
+
+
 def test_memory_report_and_kv_cache_fraction(tmp_path):
     engine = _cuda_engine(tmp_path, dtype="bfloat16", max_seq_len=128)
     big = LLM(engine, kv_cache_memory_fraction=0.2)

@@ -19,6 +19,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory left after weights and activations that the KV cache takes "
                         "(default: 0.9; CUDA graphs are captured in the rest)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (debugging)")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens back before scheduling the next (debugging; default on CUDA: "
+                        "the next step is scheduled while the GPU runs this one)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="a draft kiln engine (same vocabulary) that proposes tokens the engine verifies")
@@ -41,5 +44,6 @@ def runtime_kwargs(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
     return dict(device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                cuda_graphs=not args.no_cuda_graphs, verify_checksums=not args.no_verify_checksums,
+                cuda_graphs=not args.no_cuda_graphs, async_scheduling=False if args.no_async_scheduling else None,
+                verify_checksums=not args.no_verify_checksums,
                 speculative_config=speculative)

@@ -46,6 +46,7 @@ class TPExecutor:
         self.launch = launch
         self.world_size = launch.world_size
         self.fault: str | None = None  # why the engine cannot run any more, once a rank has failed
+        self.accepts_token_feed = False  # the other ranks could not read rank 0's sampled tokens
         self.groups: RankGroups | None = None
         self._processes = []
         self._pipes: PipeSender | None = None

@@ -6,8 +6,8 @@ captured size >= n; the extra rows are padding: slot -1 (the KV write skips them
 (attention reads nothing for them), and their logits are dropped.
 
 Every tensor a graph reads or writes is allocated here once and never reallocated: a graph holds raw
-addresses. The host side fills pinned staging buffers, copied to the device buffers before each replay; the
-block tables come from a `BlockTableMirror` that writes only the blocks each table gained since the step
+addresses. The host side fills pinned staging buffers (graph_inputs.py), copied to the device buffers before
+each replay; the block tables come from a `BlockTableMirror` that writes only the blocks each table gained since the step
 before, then gathers the batch's rows into the staging buffer in batch order.
 """
 
@@ -24,6 +24,7 @@ from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 
 from .block_table_mirror import BlockTableMirror
+from .graph_inputs import GraphInputs, capture_sizes_into
 from .kv_cache import LayerCache, LayerScales
 from .model_step import TokenFeed
 from .scheduler import SchedulerOutput
@@ -77,17 +78,6 @@ def decode_batch(step: SchedulerOutput, block_size: int, model: CausalLM,
     return DecodeBatch(ids, positions, rope_lengths, slots, tables, feed.rows if feed is not None else None)
 
 
-class _Staging:
-    """Pinned host buffers of the graphs' int inputs, and the event recorded after the copies out of them."""
-
-    def __init__(self, g: int, mb: int, device: torch.device) -> None:
-        self.ints = torch.zeros(5, g, dtype=torch.int64, pin_memory=True)  # [5, G] as DecodeGraphs._ints
-        self.seq_lens = torch.zeros(g, dtype=torch.int32, pin_memory=True)  # [G]
-        self.tables = torch.zeros(g, mb, dtype=torch.int32, pin_memory=True)  # [G, MB]
-        # synchronize() on a never-recorded event returns at once; None off CUDA (tests run the host side there)
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
-
-
 class DecodeGraphs:
     """Captured decode steps for `capture_sizes(max_batch_size)`; `run` replays the one that fits."""
 
@@ -98,19 +88,14 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
         g, mb = max_batch_size, max_blocks_per_seq
-        # Device buffers read by every graph (allocated once; graphs hold their addresses).
+        # Device buffers read by every graph and their pinned staging (graph_inputs.py):
         # ints: [5, G] int64 rows = input_ids, positions, rope_lengths, slot_mapping, feed rows (the row of
-        # _fed whose token replaces the input id, -1: none)
-        self._ints = torch.zeros(5, g, dtype=torch.int64, device=device)
+        # _fed whose token replaces the input id, -1: none); seq_lens: [G] int32; tables: [G, MB] int32.
+        self._inputs = GraphInputs({"ints": ((5, g), torch.int64), "seq_lens": ((g,), torch.int32),
+                                    "tables": ((g, mb), torch.int32)}, device)
+        self._ints, self._seq_lens, self._tables = (self._inputs.buffers[k] for k in ("ints", "seq_lens", "tables"))
         self._fed = torch.zeros(g, dtype=torch.int64, device=device)  # [G] the previous step's sampled tokens
-        self._seq_lens = torch.zeros(g, dtype=torch.int32, device=device)  # [G] int32
-        self._tables = torch.zeros(g, mb, dtype=torch.int32, device=device)  # [G, MB] int32 block tables
         self._query_start_loc = torch.arange(g + 1, dtype=torch.int32, device=device)  # one token per sequence
-        # Pinned staging of the same layout, two sets used in turn: with async scheduling the host fills the
-        # next step's inputs while the copies of the step before may still wait in the GPU's queue. A set is
-        # refilled only once the copies out of it have run (its event).
-        self._staging = [_Staging(g, mb, device) for _ in range(2)]
-        self._turn = 0
         # The batch's tables, a row per table kept across steps (rows to spare for requests that come and go).
         self._mirror = BlockTableMirror(2 * g, mb)
         self._kv_caches = kv_caches
@@ -133,9 +118,10 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)  # [size, V] float32
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Captures every size (largest first, so the smaller ones reuse its memory); returns seconds.
-        The padding rows used while capturing write nothing (slot -1) and read nothing (length 0)."""
+    def capture(self, pool=None) -> float:
+        """Captures every size (largest first, so the smaller ones reuse its memory) into `pool` (a graph
+        pool handle shared with other graphs that never run at the same time; default: a new one); returns
+        seconds. The padding rows used while capturing write nothing (slot -1) and read nothing (length 0)."""
         start = time.perf_counter()
         self._ints.zero_()
         self._ints[2].fill_(1)
@@ -143,15 +129,7 @@ class DecodeGraphs:
         self._ints[4].fill_(-1)
         self._tables.zero_()
         self._seq_lens.zero_()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # compiles the kernels and settles the allocator outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._forward(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
+        capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._logits)
         return time.perf_counter() - start
 
     def release(self) -> None:
@@ -171,11 +149,8 @@ class DecodeGraphs:
         `fed_tokens`: [B] int64 on the device, the previous step's sampled tokens that `batch.feed_rows` index."""
         n = len(batch)
         size = next(s for s in self.sizes if s >= n)
-        stage = self._staging[self._turn]
-        self._turn ^= 1
-        if stage.copied is not None:
-            stage.copied.synchronize()  # its last copies have run (long since, in practice)
-        ints, seq_lens, tables = stage.ints.numpy(), stage.seq_lens.numpy(), stage.tables.numpy()
+        stage = self._inputs.stage()
+        ints, seq_lens, tables = (stage[k].numpy() for k in ("ints", "seq_lens", "tables"))
         ints[0, :n] = batch.input_ids
         ints[1, :n] = batch.positions
         ints[2, :n] = batch.rope_lengths
@@ -190,10 +165,6 @@ class DecodeGraphs:
         self._mirror.gather(batch.block_tables, out=tables[:n])
         if batch.feed_rows is not None:
             self._fed[:len(fed_tokens)].copy_(fed_tokens)  # device to device, queued behind the previous step
-        self._ints.copy_(stage.ints, non_blocking=True)  # whole rows: a strided slice would not be async
-        self._seq_lens.copy_(stage.seq_lens, non_blocking=True)
-        self._tables[:size].copy_(stage.tables[:size], non_blocking=True)
-        if stage.copied is not None:
-            stage.copied.record()
+        self._inputs.upload({"tables": size})
         self._graphs[size].replay()
         return self._logits[size][:n]

@@ -2,7 +2,8 @@
 logits.
 
 Its pieces live in their own files: memory planning (memory.py, memory_profile.py), the KV cache
-(kv_cache.py), input packing (step_inputs.py), decode CUDA graphs (cuda_graphs.py) and prompt logprobs
+(kv_cache.py), input packing (step_inputs.py), decode and prefill CUDA graphs (cuda_graphs.py,
+prefill_graphs.py) and prompt logprobs
 (prompt_logprobs.py). At startup on CUDA it measures the activation peak of one step at the engine's
 limits, sizes the KV cache from what is left, then captures the graphs.
 """
@@ -23,6 +24,7 @@ from .cuda_graphs import DecodeGraphs, decode_batch
 from .kv_cache import KVCache, rank_cache_config
 from .memory_profile import profile_activation_bytes
 from .model_step import StepInput, StepResult
+from .prefill_graphs import PrefillGraphs, prefill_batch
 from .prompt_logprobs import prompt_logprobs
 from .step_inputs import feed_tokens, pack_step
 
@@ -83,6 +85,7 @@ class ModelRunner:
             raise memory.out_of_memory(f"allocating {num_blocks} KV blocks", fraction) from None
         self.num_kv_blocks = num_blocks
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
         graph_bytes = 0
         if device.type == "cuda" and limits.cuda_graphs:
@@ -104,12 +107,21 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, max_batch_size=self.limits.max_batch_size,
                                        max_blocks_per_seq=max_blocks, device=self.device,
                                        kv_scales=self.kv_cache.scales)
-            self.graph_capture_seconds = self.graphs.capture()
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache.layers,
+                                                max_num_tokens=self.limits.max_num_tokens,
+                                                max_blocks_per_seq=max_blocks, block_size=self.block_size,
+                                                device=self.device, kv_scales=self.kv_cache.scales)
+            # One memory pool: no two graphs run at once. Prefill first: its largest size needs the most.
+            pool = torch.cuda.graph_pool_handle()
+            prefill_seconds = self.prefill_graphs.capture(pool)
+            decode_seconds = self.graphs.capture(pool)
+            self.graph_capture_seconds = prefill_seconds + decode_seconds
         except torch.OutOfMemoryError:
             raise memory.out_of_memory("capturing CUDA graphs", fraction) from None
         free_after, _ = torch.cuda.mem_get_info(self.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.2fs", self.graphs.sizes,
-                    self.graph_capture_seconds)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.2fs and single-sequence prefill token "
+                    "counts %s in %.2fs", self.graphs.sizes, decode_seconds, self.prefill_graphs.sizes,
+                    prefill_seconds)
         return max(0, free_before - free_after)
 
     def release_graphs(self) -> None:
@@ -118,10 +130,14 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
-        """Runs one step: a captured graph for a plain decode batch, else the packed batch eagerly."""
+        """Runs one step: a captured graph for a plain decode batch or a single sequence's prefill, else the
+        packed batch eagerly."""
         schedule, targets, feed = step.schedule, step.prompt_logprob_targets, step.token_feed
         request_ids = tuple(r.request_id for r in schedule.requests)
         if self.graphs is not None and self.graphs.fits(len(schedule.requests)):
@@ -129,6 +145,11 @@ class ModelRunner:
             if batch is not None:
                 logits = self.graphs.run(batch, feed.tokens if feed is not None else None)  # [n, V]
                 return StepResult(logits, request_ids, tuple(range(len(batch) + 1)))
+        if self.prefill_graphs is not None:
+            one = prefill_batch(schedule, self.model, targets, feed)
+            if one is not None and self.prefill_graphs.fits(len(one)):
+                logits = self.prefill_graphs.run(one)  # [num_sampled, V]
+                return StepResult(logits, request_ids, (0, one.num_sampled))
         packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device, self.kv_cache.scales)
         if feed is not None:
             feed_tokens(packed.input_ids, schedule, feed)

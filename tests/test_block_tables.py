@@ -15,7 +15,7 @@ import torch
 
 from kiln.model_defs import ModelConfig
 from kiln.model_defs.config import RopeConfig
-from kiln.runtime import cuda_graphs
+from kiln.runtime import cuda_graphs, prefill_graphs
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.block_table import BlockTable
 from kiln.runtime.block_table_mirror import RECENT_GATHERS, BlockTableMirror
@@ -253,12 +253,47 @@ def test_decode_graph_staging_holds_each_rows_table_as_batches_change(monkeypatc
         graphs.run(batch)
         replays += 1
         n = len(out.requests)
-        stage = graphs._staging[graphs._turn ^ 1]  # the staging set this run filled (two take turns)
+        stage = graphs._inputs.last_staged  # the staging set this run filled (two take turns)
         for i, r in enumerate(out.requests):
-            assert stage.tables[i, :len(r.block_ids)].tolist() == list(r.block_ids)
+            assert stage["tables"][i, :len(r.block_ids)].tolist() == list(r.block_ids)
             p = r.start_position
-            assert stage.ints[:, i].tolist() == [r.token_ids[0], p, max(p + 1, r.num_prompt_tokens),
-                                                 r.block_ids[p // BS] * BS + p % BS, -1]
-        assert stage.seq_lens[:n].tolist() == [r.start_position + 1 for r in out.requests]
-        assert torch.equal(graphs._tables[:n], stage.tables[:n])  # what the graph reads
+            assert stage["ints"][:, i].tolist() == [r.token_ids[0], p, max(p + 1, r.num_prompt_tokens),
+                                                    r.block_ids[p // BS] * BS + p % BS, -1]
+        assert stage["seq_lens"][:n].tolist() == [r.start_position + 1 for r in out.requests]
+        assert torch.equal(graphs._tables[:n], stage["tables"][:n])  # what the graph reads
     assert replays > 50
+
+
+def test_prefill_graph_staging_equals_the_packed_step_of_one_sequence():
+    """PrefillGraphs.run's host side against pack_step, for the single-sequence steps of a scheduler run
+    (first chunks, later chunks, prefix-cache hits), with its buffers on the CPU and a replay that does
+    nothing: the real tokens as packed, the padding writing nothing and outside the sequence."""
+    config = ModelConfig("LlamaForCausalLM", 32, 8, 16, 1, 2, 1, 4, 1e-6, 64, RopeConfig())
+    cache = KVCache(config, 8, BS, torch.float32, torch.device("cpu"))
+    graphs = prefill_graphs.PrefillGraphs(_Model(), (), max_num_tokens=16, max_blocks_per_seq=32, block_size=BS,
+                                          device=torch.device("cpu"))
+    assert graphs.sizes == [16]
+    graphs._graphs = {s: _NoGraph() for s in graphs.sizes}
+    graphs._logits = {s: torch.zeros(1, 3) for s in graphs.sizes}
+    driver = Driver(5, num_blocks=60, max_batch_size=1, max_num_tokens=16, arrivals=0.3, drafts=0.0)
+    runs = 0
+    for out in driver.steps(300):
+        batch = prefill_graphs.prefill_batch(out, _Model(), {}, None)
+        if batch is None:
+            assert out.is_empty or len(out.requests[0].token_ids) == 1
+            continue
+        assert graphs.run(batch).shape == (batch.num_sampled, 3)
+        runs += 1
+        n, stage = len(batch), graphs._inputs.last_staged
+        packed = pack_step(out, BS, cache.layers, torch.device("cpu"), mirror=BlockTableMirror())
+        ctx = packed.context
+        ints = stage["ints"]
+        assert ints[0, :n].tolist() == packed.input_ids.tolist()
+        for row, name in ((1, "positions"), (2, "rope_lengths"), (3, "slot_mapping")):
+            assert ints[row, :n].tolist() == getattr(ctx, name).tolist(), name
+        assert ints[3, n:].eq(-1).all()  # padding writes nothing
+        assert stage["lens"].tolist() == [*ctx.seq_lens.tolist(), *ctx.query_start_loc.tolist()]
+        assert stage["sample"].tolist() == [n - 1]
+        table = out.requests[0].block_ids
+        assert stage["table"][0, :len(table)].tolist() == list(table)
+    assert runs > 20

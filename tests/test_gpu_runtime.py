@@ -97,6 +97,26 @@ def test_async_scheduling_gives_the_tokens_of_reading_each_step_back_first(tmp_p
         gc.collect()
 
 
+def test_prefill_graphs_give_the_eager_tokens(tmp_path):
+    """A lone request's prefill steps replay a captured graph (its tokens padded to 16, 32 or 64, later chunks
+    and prefix-cache hits at any start): the tokens of eager steps."""
+    engine = _cuda_engine(tmp_path, dtype="bfloat16", max_batch_size=8, max_num_tokens=64, max_seq_len=256,
+                          kv_block_size=16)
+    graphs, eager = LLM(engine, num_kv_blocks=100), LLM(engine, num_kv_blocks=100, cuda_graphs=False)
+    runner = graphs.engine.executor.runner
+    assert runner.prefill_graphs.sizes == [16, 32, 64] and eager.engine.executor.runner.prefill_graphs is None
+    replays = []
+    run = runner.prefill_graphs.run
+    runner.prefill_graphs.run = lambda batch: replays.append(len(batch)) or run(batch)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[(11 * i + n) % 390 + 2 for i in range(n)] for n in (2, 5, 17, 40, 64, 100, 130)]
+    prompts.append(prompts[-1][:120] + [7, 8, 9])  # a prefix-cache hit: the graph starts at position 112
+    for prompt in prompts:
+        assert graphs.generate(prompt, params)[0].token_ids == eager.generate(prompt, params)[0].token_ids
+    assert len(replays) >= len(prompts) + 3 and max(replays) == 64  # 100 and 130 tokens come in chunks
+    assert graphs.kv_cache_stats()["prefix_cache_hit_tokens"] > 0
+
+
 def test_memory_report_and_kv_cache_fraction(tmp_path):
     engine = _cuda_engine(tmp_path, dtype="bfloat16", max_seq_len=128)
     big = LLM(engine, kv_cache_memory_fraction=0.2)

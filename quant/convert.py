@@ -119,11 +119,15 @@ class CheckpointParts:
 
 
 def dummy_parts(float_tensor: FloatProducer) -> PartsReader:
-    """For --dummy-weights: a quantized layer's parts are its random float weight as one part, with a made-up
-    input range (speed benchmarks need the shapes and dtypes, not the accuracy)."""
+    """For --dummy-weights: a quantized layer's parts are its random float weight cut into the parts it fuses
+    ([q; k; v], [gate; up]: formats that keep something per part, such as AWQ's per-part pre_quant_scale,
+    declare that many), with a made-up input range (speed benchmarks need the shapes and dtypes, not the
+    accuracy)."""
 
     def parts(prefix: str, layer: Linear) -> list[LinearPart]:
-        weight = float_tensor(f"{prefix}.weight").float()
-        return [LinearPart(prefix, weight, input_amax=torch.tensor(4.0))]
+        weight = float_tensor(f"{prefix}.weight").float()  # [out, in]
+        pieces = weight.split(list(getattr(layer, "output_sizes", (weight.shape[0],))))
+        return [LinearPart(prefix if len(pieces) == 1 else f"{prefix}.part{i}", piece, input_amax=torch.tensor(4.0))
+                for i, piece in enumerate(pieces)]
 
     return parts

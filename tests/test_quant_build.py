@@ -111,8 +111,11 @@ def test_unknown_qformat_on_the_command_line_lists_the_valid_ones(checkpoint, tm
     assert "--qformat" in err and "int3" in err and "int4_awq" in err and "int8_wo" in err
 
 
-def test_dummy_weights_quantize_without_calibration(checkpoint, tmp_path):
-    config = BuildConfig(**SMALL, qformat="fp8", kv_cache_dtype="fp8", dummy_weights=True)
+@pytest.mark.parametrize("qformat, kv", [("fp8", "fp8"), ("int4_awq", "auto"), ("int8_sq", "auto")])
+def test_dummy_weights_quantize_without_calibration(checkpoint, tmp_path, qformat, kv):
+    """Every calibrated format builds from dummy weights (speed runs), formats that keep something per part of
+    a fused layer (AWQ's pre_quant_scale per q, k, v) included."""
+    config = BuildConfig(**SMALL, qformat=qformat, kv_cache_dtype=kv, dummy_weights=True, awq_block_size=32)
     engine = build_engine(checkpoint, tmp_path / "engine", config, progress=False)
     assert load_engine_spec(engine).build_config["quantization"]["calibration"] is None
     assert len(_greedy(engine, PROMPTS[:1])[0]) == 8

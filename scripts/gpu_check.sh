@@ -7,6 +7,7 @@
 #   KILN_BENCH_FULL=1 bash scripts/gpu_check.sh   # also throughput 128/2048, 2048/128, TTFT at 2048 input
 #   KILN_SKIP_TESTS=1 / KILN_SKIP_BENCH=1         # one half only
 #   KILN_BENCH_QFORMAT=fp8|int4_awq|int8_sq|int8_wo|int4_wo KILN_BENCH_KV=fp8|int8   # a quantized dummy engine
+#   KILN_BENCH_MAX_BATCH=256                      # the engine's max_batch_size (default 1024)
 #
 # Installs kiln (not editable; no dependencies: the machine's torch, triton, transformers are used) and runs
 # pytest from tests/, where the top-level kiln/ folder of the checkout would not shadow the installed package.
@@ -16,7 +17,8 @@ out="${OUT:-/tmp/kiln-gpu-check}"
 qformat="${KILN_BENCH_QFORMAT:-}"
 kv_dtype="${KILN_BENCH_KV:-}"
 suffix="${qformat:+-$qformat}${kv_dtype:+-kv$kv_dtype}"
-engine="${KILN_BENCH_ENGINE:-/tmp/kiln-llama-3.1-8b-dummy$suffix}"
+max_batch="${KILN_BENCH_MAX_BATCH:-1024}"
+engine="${KILN_BENCH_ENGINE:-/tmp/kiln-llama-3.1-8b-dummy$suffix-b$max_batch}"
 quant_flags=()
 [ -n "$qformat" ] && quant_flags+=(--qformat "$qformat")
 [ -n "$kv_dtype" ] && quant_flags+=(--kv-cache-dtype "$kv_dtype")
@@ -68,7 +70,7 @@ if [ "${KILN_SKIP_BENCH:-0}" != 1 ]; then
   if [ ! -f "$engine/engine.json" ]; then
     start=$(date +%s)
     kiln build --checkpoint "$repo/benchmarks/configs/llama-3.1-8b" --output "$engine" --dummy-weights \
-      --dtype bfloat16 --device cuda --max-batch-size 256 --max-num-tokens 8192 --max-seq-len 4224 "${quant_flags[@]}" \
+      --dtype bfloat16 --device cuda --max-batch-size "$max_batch" --max-num-tokens 8192 --max-seq-len 4224 "${quant_flags[@]}" \
       || { echo "SUMMARY build: FAILED"; exit 1; }
     summary+=("SUMMARY build: llama-3.1-8b dummy engine$suffix in $(( $(date +%s) - start )) s")
   fi

@@ -144,3 +144,44 @@ def test_requests_that_end_by_length_are_not_scheduled_again():
     finishing = sched.advance_inflight(first, max_seq_len=8)
     assert finishing == {"short", "tight"}
     assert [r.request_id for r in sched.schedule(finishing).requests] == ["other"]
+
+
+def test_async_llm_streams_with_async_scheduling(tiny_code_engine):
+    """The serving path (AsyncLLM, streamed updates, a client that leaves early) with async scheduling: each
+    update holds the tokens of the same update without it, and an abandoned request's blocks come back."""
+    import asyncio
+
+    from kiln.runtime import AsyncLLM
+
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "x = 1"]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    expected = LLM(tiny_code_engine, async_scheduling=False).generate(prompts, params)
+    llm = AsyncLLM(tiny_code_engine, async_scheduling=True)
+
+    async def run(prompt):
+        updates = [out.token_ids async for out in llm.generate(prompt, params)]
+        assert all(a == b[:len(a)] for a, b in zip(updates, updates[1:]))  # each extends the one before
+        return updates[-1]
+
+    async def leave_early():
+        async for out in llm.generate("def main():", SamplingParams(max_tokens=40, ignore_eos=True)):
+            if len(out.token_ids) == 3:
+                break
+
+    async def main():
+        results = await asyncio.gather(*(run(p) for p in prompts), leave_early())
+        await llm.call(lambda engine: None)  # the engine thread has handled the abort
+        for _ in range(100):
+            stats = llm.kv_cache_stats()
+            if stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return results[:-1], stats
+
+    try:
+        assert llm.engine.async_scheduling
+        results, stats = asyncio.run(main())
+        assert results == [o.token_ids for o in expected]
+        assert stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0
+    finally:
+        llm.shutdown()

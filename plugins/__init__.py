@@ -7,10 +7,12 @@ from .fp8_block_linear import fp8_block_linear
 from .kv_cache import write_kv_cache
 from .moe import fused_moe
 from .norm import fused_add_rms_norm, rms_norm
-from .quant_linear import scaled_linear, weight_only_linear
+from .norm_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
+from .quant_linear import scaled_linear, scaled_linear_quantized, weight_only_linear
 from .rotary import rotary_embedding
 from .rotary_kv import rotary_embedding_and_write_kv
 
 __all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
            "rotary_embedding_and_write_kv", "scaled_linear", "silu_and_mul", "weight_only_linear",
-           "write_kv_cache", "fp8_block_linear", "fused_moe"]
+           "write_kv_cache", "fp8_block_linear", "fused_moe", "fused_add_rms_norm_quant", "rms_norm_quant",
+           "silu_and_mul_quant", "scaled_linear_quantized"]

@@ -1,9 +1,10 @@
 """Quantized linear layers: y = x @ W^T (+ bias) with W stored in 8 or 4 bits.
 
-Two operators, after the quantization formats kiln builds:
+Two kinds of operator, after the quantization formats kiln builds:
 - `scaled_linear` (W8A8, FP8 e4m3 or INT8): the activations are quantized too, with a static per-tensor
   scale or a dynamic per-token one, and the product runs on quantized values; the scales multiply the
-  accumulator afterwards.
+  accumulator afterwards. `scaled_linear_quantized` is its GEMM alone (FP8), for activations that their
+  producer quantized already (norm_quant.py).
 - `weight_only_linear` (W8A16, W4A16 with groups, e.g. AWQ / GPTQ): the weight is dequantized to the
   activation dtype and multiplied in floating point.
 
@@ -55,6 +56,47 @@ def _int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double().t()).to(torch.int32)
 
 
+def quantize_activations(
+    xs: torch.Tensor, qdtype: torch.dtype, input_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scaled_linear's activation quantization, the reference every kernel that quantizes for it is held to.
+
+    xs: [T, K] float32 (already smoothed) -> (x_q [T, K] qdtype, s_x): s_x is input_scale ([1] float32, static)
+    or, with input_scale None, [T, 1] float32, each row's amax / qmax floored at MIN_DYNAMIC_SCALE.
+    qdtype: torch.float8_e4m3fn (qmax 448, saturated) or torch.int8 (qmax 127, rounded half to even).
+    """
+    fp8 = qdtype == torch.float8_e4m3fn
+    qmax = FP8_MAX if fp8 else INT8_MAX
+    if input_scale is None:
+        # qmax as a tensor on x's device: CUDA divides by a Python scalar as a multiplication by its reciprocal,
+        # which is 1 ulp off now and then; a tensor divisor gives the same IEEE quotient on every device.
+        amax = xs.abs().amax(dim=-1, keepdim=True)  # [T, 1]
+        s_x = (amax / torch.full((), qmax, device=xs.device)).clamp(min=MIN_DYNAMIC_SCALE)  # [T, 1]
+    else:
+        s_x = input_scale  # [1]
+    if fp8:
+        # Saturate explicitly rather than leave an out-of-range value to the cast: e4m3fn has no infinity,
+        # and what a conversion makes of 1000.0 is its own choice (torch's CPU cast happens to give 448).
+        x_q = (xs / s_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [T, K]
+    else:
+        x_q = torch.round(xs / s_x).clamp(-128, 127).to(torch.int8)  # round half to even, as cvt.rni does
+    return x_q, s_x
+
+
+def _scaled_gemm(x_q: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    # x_q: [T, K] weight's dtype; s_x: [T, 1] or [1] float32; weight: [N, K]; weight_scale: [N] -> [T, N] out_dtype
+    if weight.dtype == torch.float8_e4m3fn:
+        # Products of two e4m3 values are exact in float32; the sum rounds as a float32 accumulator does.
+        acc = x_q.float() @ weight.float().t()  # [T, N]
+    else:
+        acc = _int8_matmul(x_q, weight).float()  # [T, N]
+    y = acc * s_x * weight_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 def scaled_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -69,28 +111,8 @@ def scaled_linear_reference(
     xs = x.float()
     if pre_quant_scale is not None:
         xs = xs * pre_quant_scale
-    fp8 = weight.dtype == torch.float8_e4m3fn
-    qmax = FP8_MAX if fp8 else INT8_MAX
-    if input_scale is None:
-        # qmax as a tensor on x's device: CUDA divides by a Python scalar as a multiplication by its reciprocal,
-        # which is 1 ulp off now and then; a tensor divisor gives the same IEEE quotient on every device.
-        amax = xs.abs().amax(dim=-1, keepdim=True)  # [T, 1]
-        s_x = (amax / torch.full((), qmax, device=xs.device)).clamp(min=MIN_DYNAMIC_SCALE)  # [T, 1]
-    else:
-        s_x = input_scale  # [1]
-    if fp8:
-        # Saturate explicitly rather than leave an out-of-range value to the cast: e4m3fn has no infinity,
-        # and what a conversion makes of 1000.0 is its own choice (torch's CPU cast happens to give 448).
-        x_q = (xs / s_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [T, K]
-        # Products of two e4m3 values are exact in float32; the sum rounds as a float32 accumulator does.
-        acc = x_q.float() @ weight.float().t()  # [T, N]
-    else:
-        x_q = torch.round(xs / s_x).clamp(-128, 127).to(torch.int8)  # round half to even, as cvt.rni does
-        acc = _int8_matmul(x_q, weight).float()  # [T, N]
-    y = acc * s_x * weight_scale[None, :]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    x_q, s_x = quantize_activations(xs, weight.dtype, input_scale)
+    return _scaled_gemm(x_q, s_x, weight, weight_scale, bias, x.dtype)
 
 
 _scaled_linear = KernelOp("kiln::scaled_linear", scaled_linear_reference)
@@ -126,6 +148,20 @@ def _optional(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {name: t for name, t in tensors.items() if t is not None}
 
 
+def _check_scaled_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
+                         dtypes: tuple[torch.dtype, ...]) -> tuple[int, int]:
+    """Checks a W8A8 weight and its per-row scales; returns the weight's (N, K)."""
+    check_dims("weight", weight, 2)
+    check_dtype("weight", weight, dtypes)
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
+    n, k = weight.shape
+    if k == 0:
+        raise ValueError("weight has K = 0 input features")
+    _check_vector("weight_scale", weight_scale, n, (torch.float32,), "output features of the weight")
+    return n, k
+
+
 def scaled_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -143,21 +179,68 @@ def scaled_linear(
     pre_quant_scale: [K] float32 multiplies x before quantization (SmoothQuant / AWQ smoothing).
     bias: [N] in x's dtype, added after the scales.
     """
-    check_dims("weight", weight, 2)
-    check_dtype("weight", weight, SCALED_WEIGHT_DTYPES)
-    if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous, got strides {weight.stride()}")
-    n, k = weight.shape
-    if k == 0:
-        raise ValueError("weight has K = 0 input features")
+    n, k = _check_scaled_weight(weight, weight_scale, SCALED_WEIGHT_DTYPES)
     _check_x(x, k, "input features of the weight")
-    _check_vector("weight_scale", weight_scale, n, (torch.float32,), "output features of the weight")
     if input_scale is not None:
         _check_vector("input_scale", input_scale, 1, (torch.float32,), "one per-tensor scale")
     _check_bias_and_smoothing(x, n, k, bias, pre_quant_scale)
     check_same_device(x=x, weight=weight, weight_scale=weight_scale,
                       **_optional(input_scale=input_scale, bias=bias, pre_quant_scale=pre_quant_scale))
     return _scaled_linear.for_tensor(x)(x, weight, weight_scale, input_scale, bias, pre_quant_scale)
+
+
+def scaled_linear_quantized_reference(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    # x_q: [T, K] float8_e4m3fn; x_scale: [T, 1] or [1] float32; weight: [N, K] float8_e4m3fn;
+    # weight_scale: [N] float32; bias: [N] out_dtype -> [T, N] out_dtype
+    return _scaled_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+_scaled_linear_quantized = KernelOp("kiln::scaled_linear_quantized", scaled_linear_quantized_reference)
+
+
+@_scaled_linear_quantized.op.register_fake
+def _(x_q, x_scale, weight, weight_scale, bias, out_dtype):
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def scaled_linear_quantized(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The GEMM half of an FP8 scaled_linear, on activations its producer quantized already (the fused
+    norm and activation operators of norm_quant.py): x_q: [T, K] float8_e4m3fn (last dim contiguous) ->
+    [T, N] out_dtype, equal to scaled_linear(x, ...) where (x_q, x_scale) is x's quantization.
+
+    x_scale: [T, 1] float32, each row's scale (what the producers give, dynamic or static), or [1], one for
+    all rows. weight: [N, K] float8_e4m3fn, contiguous; weight_scale: [N] float32; bias: [N] out_dtype.
+    """
+    n, k = _check_scaled_weight(weight, weight_scale, (torch.float8_e4m3fn,))
+    check_dims("x_q", x_q, 2)
+    check_dtype("x_q", x_q, (torch.float8_e4m3fn,))
+    check_last_dim_contiguous("x_q", x_q)
+    check_size("x_q", x_q, 1, k, "input features of the weight")
+    check_dtype("x_scale", x_scale, (torch.float32,))
+    if tuple(x_scale.shape) not in ((x_q.shape[0], 1), (1,)):
+        raise ValueError(f"x_scale must be [T, 1] or [1] with T = {x_q.shape[0]} rows of x_q, got shape "
+                         f"{tuple(x_scale.shape)}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype is {out_dtype}; expected one of {[str(d) for d in FLOAT_DTYPES]}")
+    if bias is not None:
+        _check_vector("bias", bias, n, (out_dtype,), "output features of the weight")
+    check_same_device(x_q=x_q, x_scale=x_scale, weight=weight, weight_scale=weight_scale, **_optional(bias=bias))
+    return _scaled_linear_quantized.for_tensor(x_q)(x_q, x_scale, weight, weight_scale, bias, out_dtype)
 
 
 def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
@@ -291,8 +374,9 @@ def weight_only_linear(
 
 
 if USE_TRITON:
-    from .triton_scaled_linear import scaled_linear_triton
+    from .triton_scaled_linear import scaled_linear_quantized_triton, scaled_linear_triton
     from .triton_weight_only import weight_only_linear_triton
 
     _scaled_linear.register_kernel("cuda", scaled_linear_triton)
+    _scaled_linear_quantized.register_kernel("cuda", scaled_linear_quantized_triton)
     _weight_only_linear.register_kernel("cuda", weight_only_linear_triton)

@@ -261,13 +261,16 @@ def _sum_splits_kernel(part_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, stride
 CUBLASLT_MIN_TOKENS = 17
 
 
-def _takes_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _takes_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype | None = None) -> bool:
     """Whether FP8 x_q @ weight^T runs as torch._scaled_mm (cuBLASLt, row-wise scales): FP8 weights on a GPU
     with FP8 tensor cores (compute capability 8.9+), bfloat16 out (what row-wise scaling supports), no bias
-    (the bias would round in another place than the reference's), dims multiples of 16 (cuBLASLt's rule)."""
+    (the bias would round in another place than the reference's), dims multiples of 16 (cuBLASLt's rule).
+    x: [T, K], the activations or their quantized values; out_dtype: the output's, x's dtype if None."""
     t, k = x.shape
     n = weight.shape[0]
-    return (weight.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16 and bias is None
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return (weight.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and bias is None
             and t >= CUBLASLT_MIN_TOKENS and k % 16 == 0 and n % 16 == 0 and _has_fp8_tensor_cores(x.device))
 
 
@@ -283,23 +286,48 @@ def scaled_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     weight_scale: [N] float32; input_scale: [1] float32 or None (dynamic per token); bias: [N] x.dtype;
     pre_quant_scale: [K] float32 -> [T, N] x.dtype. Arguments as checked by quant_linear.scaled_linear."""
     t, k = x.shape
+    if t == 0 or weight.shape[0] == 0:
+        return x.new_empty((t, weight.shape[0]))
+    x_q, s_x = quantize_activations_triton(x, weight.dtype, k, input_scale, pre_quant_scale)  # [T, K], [T, 1]
+    return _quantized_gemm(x_q, s_x, weight, weight_scale, bias, x.dtype)
+
+
+def scaled_linear_quantized_triton(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                                   weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                                   out_dtype: torch.dtype) -> torch.Tensor:
+    """kiln::scaled_linear_quantized on CUDA: scaled_linear_triton's GEMM on activations quantized by their
+    producer. x_q: [T, K] float8_e4m3fn; x_scale: [T, 1] float32 (or [1]: one scale, copied out to the rows
+    the kernels and cuBLASLt's row-wise scaling read); weight: [N, K] float8_e4m3fn, contiguous; weight_scale:
+    [N] float32; bias: [N] out_dtype -> [T, N] out_dtype. Arguments as checked by quant_linear."""
+    t = x_q.shape[0]
+    if x_scale.dim() == 1 or x_scale.stride(0) != 1:
+        x_scale = x_scale.expand(t, 1).contiguous()
+    return _quantized_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def _quantized_gemm(x_q: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = (x_q @ weight^T) * s_x * weight_scale (+ bias) -> [T, N] out_dtype: cuBLASLt where it takes the
+    shape, else _scaled_mm_kernel with tuned or heuristic tiles. x_q: [T, K]; s_x: [T, 1] float32, contiguous."""
+    t, k = x_q.shape
     n = weight.shape[0]
-    out = x.new_empty((t, n))
+    out = torch.empty((t, n), dtype=out_dtype, device=x_q.device)
     if out.numel() == 0:
         return out
-    x_q, s_x = quantize_activations_triton(x, weight.dtype, k, input_scale, pre_quant_scale)  # [T, K], [T, 1]
-    if _takes_cublaslt(x, weight, bias):
+    if _takes_cublaslt(x_q, weight, bias, out_dtype):
         # weight.t(): [K, N] column-major, the layout cuBLASLt's FP8 GEMM wants for its second operand.
         return torch._scaled_mm(x_q, weight.t(), scale_a=s_x, scale_b=weight_scale.view(1, n),
-                                out_dtype=x.dtype, use_fast_accum=False)
+                                out_dtype=out_dtype, use_fast_accum=False)
     int8 = weight.dtype == torch.int8
     tuned = tuning.lookup(TUNED_KERNEL, tuning_key(t, n, k, int8)) if t <= 16 else None
-    cfg = GemmConfig(16, **tuned) if tuned else gemm_config(t, n, _sm_count(x.device), k)
-    return _launch(x, x_q, s_x, weight, weight_scale, bias, out, cfg)
+    cfg = GemmConfig(16, **tuned) if tuned else gemm_config(t, n, _sm_count(x_q.device), k)
+    # `out` stands in for a missing bias: the dtype a bias has, so the kernels compile as they always have.
+    return _launch(out, x_q, s_x, weight, weight_scale, bias, out, cfg)
 
 
 def _launch(x, x_q, s_x, weight, weight_scale, bias, out, cfg: GemmConfig) -> torch.Tensor:
-    """_scaled_mm_kernel (and with split_k > 1 _sum_splits_kernel) into `out`: [T, N]."""
+    """_scaled_mm_kernel (and with split_k > 1 _sum_splits_kernel) into `out`: [T, N]. x: a tensor of the
+    output's dtype on the device (the activations, or `out`), standing in for a missing bias."""
     t, k = x_q.shape
     n = weight.shape[0]
     int8 = weight.dtype == torch.int8

@@ -17,13 +17,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kiln.plugins import (
     fp8_block_linear,
     fused_add_rms_norm,
+    fused_add_rms_norm_quant,
     fused_moe,
     paged_attention,
     rms_norm,
+    rms_norm_quant,
     rotary_embedding,
     rotary_embedding_and_write_kv,
     scaled_linear,
+    scaled_linear_quantized,
     silu_and_mul,
+    silu_and_mul_quant,
     weight_only_linear,
     write_kv_cache,
 )
@@ -32,7 +36,8 @@ from kiln.plugins._triton import USE_TRITON
 
 # The modules by name: kiln.plugins' fp8_block_linear and fused_moe are the wrappers, not their modules.
 _PLUGIN_MODULES = tuple(importlib.import_module(f"kiln.plugins.{name}") for name in (
-    "activation", "attention", "fp8_block_linear", "kv_cache", "moe", "norm", "quant_linear", "rotary", "rotary_kv"))
+    "activation", "attention", "fp8_block_linear", "kv_cache", "moe", "norm", "norm_quant", "quant_linear", "rotary",
+    "rotary_kv"))
 attention, kv_cache, norm, rotary_kv = (importlib.import_module(f"kiln.plugins.{name}")
                                         for name in ("attention", "kv_cache", "norm", "rotary_kv"))
 
@@ -174,7 +179,9 @@ def test_every_op_records_the_kernel_it_registers_for_cuda():
     assert sorted(op.name for op in ops) == sorted(
         f"kiln::{name}" for name in ("silu_and_mul", "paged_attention", "fp8_block_linear", "write_kv_cache",
                                      "fused_moe", "rms_norm", "fused_add_rms_norm", "scaled_linear",
-                                     "weight_only_linear", "rotary_embedding", "rotary_embedding_and_write_kv"))
+                                     "weight_only_linear", "rotary_embedding", "rotary_embedding_and_write_kv",
+                                     "rms_norm_quant", "fused_add_rms_norm_quant", "silu_and_mul_quant",
+                                     "scaled_linear_quantized"))
     for op in ops:
         assert (op.kernel("cuda") is not None) == USE_TRITON, op.name
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name, "CUDA") == USE_TRITON, op.name
@@ -190,7 +197,7 @@ def _schema_accepts(kind: str, value: object) -> bool:
         return value is None or type(value) is torch.Tensor
     if kind == "List[int]":
         return type(value) is list and all(type(v) is int for v in value)
-    return type(value) is {"float": float, "int": int, "bool": bool}[kind]
+    return type(value) is {"float": float, "int": int, "bool": bool, "ScalarType": torch.dtype}[kind]
 
 
 def _every_wrapper_call():
@@ -214,6 +221,11 @@ def _every_wrapper_call():
     scaled_linear(torch.randn(2, 16), torch.ones(4, 16, dtype=torch.int8), torch.ones(4))
     weight_only_linear(torch.randn(2, 16), torch.ones(4, 16, dtype=torch.int8), torch.ones(4, 1), bits=8,
                        group_size=16)
+    x_q, x_scale = rms_norm_quant(x, torch.ones(8), 1)
+    fused_add_rms_norm_quant(x, x.clone(), torch.ones(8), 1, torch.tensor([0.5]))
+    silu_and_mul_quant(x)
+    scaled_linear_quantized(x_q, x_scale, torch.ones(4, 8, dtype=torch.float8_e4m3fn), torch.ones(4),
+                            out_dtype=torch.float32)
 
 
 def test_a_direct_call_gets_the_arguments_the_op_would_pass(monkeypatch):
@@ -235,4 +247,5 @@ def test_a_direct_call_gets_the_arguments_the_op_would_pass(monkeypatch):
         schema = getattr(getattr(torch.ops, namespace), name).default._schema
         assert len(args) <= len(schema.arguments), kernel_op.name
         for argument, value in zip(schema.arguments, args):
-            assert _schema_accepts(str(argument.type), value), (kernel_op.name, argument.name, value)
+            # real_type: a ScalarType argument's .type reads int
+            assert _schema_accepts(str(argument.real_type), value), (kernel_op.name, argument.name, value)

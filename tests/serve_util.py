@@ -18,6 +18,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+async def idle_kv_stats(llm) -> dict[str, int]:
+    """An AsyncLLM's KV-cache stats once the engine thread has handled the aborts queued so far and every
+    block has come back (or after about a second, for the caller's assertion to report)."""
+    await llm.call(lambda engine: None)
+    for _ in range(100):
+        stats = llm.kv_cache_stats()
+        if stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    return stats
+
+
 def build_tiny_code_engine(directory: Path, checkpoint: Path = EXAMPLES / "kiln-tiny-code") -> Path:
     """kiln-tiny-code (or another bundled checkpoint) built in float32 (exact comparisons on the CPU); greedy
     outputs are deterministic."""

@@ -8,6 +8,7 @@ import random
 
 import pytest
 from model_factory import make_engine
+from serve_util import idle_kv_stats
 
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.block_manager import BlockManager
@@ -170,12 +171,7 @@ def test_async_llm_streams_with_async_scheduling(tiny_code_engine):
 
     async def main():
         results = await asyncio.gather(*(run(p) for p in prompts), leave_early())
-        await llm.call(lambda engine: None)  # the engine thread has handled the abort
-        for _ in range(100):
-            stats = llm.kv_cache_stats()
-            if stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        stats = await idle_kv_stats(llm)
         return results[:-1], stats
 
     try:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from model_factory import make_engine
+from serve_util import idle_kv_stats
 
 from kiln.runtime import LLM, AsyncLLM, SamplingParams
 
@@ -102,12 +103,7 @@ def test_async_disconnect_and_bad_input(engine_dir, expected):
 
     async def main():
         results = await asyncio.gather(leave_early(), finish(PROMPTS[1]), bad(), leave_early())
-        await llm.call(lambda engine: None)  # let the engine thread handle the aborts
-        for _ in range(100):
-            stats = llm.kv_cache_stats()
-            if stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        stats = await idle_kv_stats(llm)
         return results, stats
 
     try:

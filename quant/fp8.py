@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from kiln.model_defs.layers.fp8_input import Fp8Input
 from kiln.model_defs.layers.linear import TensorDecl
-from kiln.plugins.quant_linear import scaled_linear
+from kiln.plugins.quant_linear import scaled_linear, scaled_linear_quantized
 
 from .base import LinearPart, QuantizedLinearMethod
 from .fusion import shared_input_amax
@@ -30,6 +31,8 @@ class Fp8Linear(QuantizedLinearMethod):
     dtype: torch.dtype = torch.float32
     dynamic: bool = False  # per-token activation scales at run time instead of a calibrated input_scale
     needs_calibration: ClassVar[bool] = True
+    # The norm or SiLU-and-mul before the layer writes its input in FP8 (no pre_quant_scale to apply first).
+    accepts_fp8_input: ClassVar[bool] = True
 
     def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
         decls = {"weight": TensorDecl((out_features, in_features), torch.float8_e4m3fn),
@@ -44,6 +47,11 @@ class Fp8Linear(QuantizedLinearMethod):
         # x: [T, in] -> [T, out]
         return scaled_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None),
                              getattr(layer, "bias", None))
+
+    def apply_fp8(self, layer: nn.Module, x: Fp8Input) -> torch.Tensor:
+        # x.x_q: [T, in] float8_e4m3fn, x.x_scale: [T, 1] -> [T, out] in the network's dtype
+        return scaled_linear_quantized(x.x_q, x.x_scale, layer.weight, layer.weight_scale,
+                                       getattr(layer, "bias", None), out_dtype=self.dtype)
 
     def quantize(self, parts: Sequence[LinearPart]) -> dict[str, torch.Tensor]:
         weights, row_scales = [], []

@@ -9,6 +9,7 @@ from kiln.plugins import paged_attention, rotary_embedding_and_write_kv
 
 from ..config import ModelConfig
 from .context import ForwardContext
+from .fp8_input import Fp8Input
 from .linear import LinearFactory
 from .norm import RMSNorm
 
@@ -34,10 +35,12 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]; cos, sin: [T, D/2] float32
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+    def forward(self, x: torch.Tensor | Fp8Input, ctx: ForwardContext, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] (or its FP8 quantization for an FP8 qkv_proj); cos, sin: [T, D/2] float32
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -30,6 +30,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index, linears, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = mlp(config, layer_index, linears, f"{prefix}.mlp")
+        # An FP8 qkv/gate_up projection gets its input quantized by the norm kernel (fp8_input.py); an MoE block
+        # has no gate_up_proj of its own.
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.feeds(getattr(self.mlp, "gate_up_proj", None))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

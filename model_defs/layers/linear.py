@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_input import Fp8Input
 from .parallel import FeatureShard, TPComm, even_shard, gather_vocab, head_shard, require_comm, vocab_shard
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class LinearMethod(ABC):
     A method is a small immutable object; the layer holds it and the tensors it declared.
     """
 
+    # Whether `apply_fp8` takes the input already quantized by its producer (fp8_input.py).
+    accepts_fp8_input: bool = False
+
     @abstractmethod
     def tensors(self, in_features: int, out_features: int, bias: bool) -> dict[str, TensorDecl]:
         """The tensors the layer needs, by attribute name, in the order they are stored."""
@@ -55,6 +59,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] -> [T, out_features], in x's dtype."""
+
+    def apply_fp8(self, layer: nn.Module, x: Fp8Input) -> torch.Tensor:
+        """`apply` on an input its producer quantized: x.x_q [T, in_features] float8_e4m3fn -> [T, out_features]
+        in the network's dtype. Only methods with accepts_fp8_input implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not take FP8 input")
 
     def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         """Registers the declared tensors on `layer` as parameters, uninitialized, on the current default
@@ -109,8 +118,9 @@ class Linear(nn.Module):
         self.method = method
         method.create(self, in_features, out_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x)  # x: [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+        # x: [T, in] -> [T, out]; an Fp8Input only reaches a layer whose method accepts it (fp8_consumer).
+        y = self.method.apply_fp8(self, x) if isinstance(x, Fp8Input) else self.method.apply(self, x)
         return y if self.collective is None else self.collective(y)
 
     def extra_repr(self) -> str:

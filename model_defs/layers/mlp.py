@@ -7,25 +7,37 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kiln.plugins import silu_and_mul
+from kiln.plugins import silu_and_mul, silu_and_mul_quant
 
 from ..config import ModelConfig
+from .fp8_input import Fp8Input, fp8_consumer
 from .linear import LinearFactory
 
 # (config, layer index, linear factory, module prefix such as "model.layers.3.mlp") -> the layer's MLP block.
 MLPFactory = Callable[[ModelConfig, int, LinearFactory, str], nn.Module]
 
 
-class GatedMLP(nn.Module):
+class SwiGLU(nn.Module):
+    """down_proj(silu(gate) * up) with [gate; up] = gate_up_proj(x). An FP8 down_proj gets its input quantized
+    by the SiLU-and-mul kernel (fp8_input.py)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, linears: LinearFactory, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = linears.column(f"{prefix}.gate_up_proj", hidden, (inter, inter), bias)  # [gate; up]
+        self.down_proj = linears.row(f"{prefix}.down_proj", inter, hidden, bias)
+        self._down_fp8 = fp8_consumer(self.down_proj)
+
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+        # x: [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        gate_up = self.gate_up_proj(x)
+        if self._down_fp8 is not None:
+            return self.down_proj(Fp8Input(*silu_and_mul_quant(gate_up, self._down_fp8.input_scale)))
+        return self.down_proj(silu_and_mul(gate_up))
+
+
+class GatedMLP(SwiGLU):
     """The default `ModelDef.mlp`: made from (config, layer index, linear factory, module prefix), like any
     other MLP block (an MoE block is one more such factory)."""
 
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
-        super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = linears.column(f"{prefix}.gate_up_proj", hidden, (inter, inter), bias)  # [gate; up]
-        self.down_proj = linears.row(f"{prefix}.down_proj", inter, hidden, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, 2I] -> [T, I] -> [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        super().__init__(config.hidden_size, config.intermediate_size, config.mlp_bias, linears, prefix)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.plugins import fused_moe, silu_and_mul
+from kiln.plugins import fused_moe
 
 from ..config import ModelConfig, MoEConfig
 from .linear import LinearFactory
-from .mlp import GatedMLP
+from .mlp import GatedMLP, SwiGLU
 from .parallel import FeatureShard, even_shard, require_comm
 
 
@@ -52,19 +52,6 @@ class FusedExperts(nn.Module):
         self.down = ExpertWeight((experts, hidden, local), linears.dtype, down_shard)
 
 
-class SharedExpert(nn.Module):
-    """A dense SwiGLU MLP of its own intermediate size (Qwen2-MoE's shared expert)."""
-
-    def __init__(self, hidden: int, inter: int, linears: LinearFactory, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = linears.column(f"{prefix}.gate_up_proj", hidden, (inter, inter))
-        self.down_proj = linears.row(f"{prefix}.down_proj", inter, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, 2I] -> [T, I] -> [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class SparseMoE(nn.Module):
     """Router, top-k experts through the fused MoE operator, and the gated shared expert where there is one."""
 
@@ -82,8 +69,9 @@ class SparseMoE(nn.Module):
         self.reduce = (lambda y: require_comm(comm, prefix).all_reduce(y)) if linears.tp_size > 1 else None
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden, moe.shared_expert_intermediate_size, linears,
-                                              f"{prefix}.shared_expert")
+            # Qwen2-MoE's shared expert: a dense SwiGLU MLP of its own intermediate size
+            self.shared_expert = SwiGLU(hidden, moe.shared_expert_intermediate_size, False, linears,
+                                        f"{prefix}.shared_expert")
             self.shared_expert_gate = linears.replicated(f"{prefix}.shared_expert_gate", hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

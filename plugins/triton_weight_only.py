@@ -8,6 +8,14 @@ smoothed by pre_quant_scale in float32 and rounded to its dtype first, as the re
 added in float32 and the output rounded once. The dequantized weights and smoothed activations are thus the
 reference's bit for bit; only the float32 summation order differs.
 
+INT4 steps inside one group (the common AWQ/GPTQ g128 decode) skip the dequantization (_int4_group_step): the
+nibbles enter the dot as exact 16-bit floats made by a bitcast, and the zero point and scale are applied to
+the group's partial sums. Per weight element that is a few integer operations instead of three conversions
+and two float operations, which left the decode GEMV bound by instructions (28% of the H100's bandwidth).
+The weight is then not rounded to x's dtype element by element as the reference rounds it: the result
+differs from the reference by about one rounding of x's dtype (relative 2**-9 in bfloat16) per product,
+averaged over K, far inside the tests' tolerance.
+
 Scales: when a BLOCK_K step lies inside one group (group_size a multiple of BLOCK_K, no g_idx) each row reads
 one scale (and zero point) a step; otherwise (act-order g_idx, small or odd groups) every column gathers its
 own, which costs more loads but is correct for any group_size dividing K.
@@ -37,13 +45,134 @@ from .triton_dequantize import dequantize_weight_triton
 
 
 @triton.jit
+def _dequantized_step(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, pqs_ptr, x_rows, w_rows, k0, K,
+                      group_size, stride_xm, stride_qn, stride_sn, stride_sg, stride_zn, stride_zg, stride_gk,
+                      stride_pk, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                      GROUP_ALIGNED: tl.constexpr, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[:, k0:k0+BLOCK_K] @ W^T for any format: the weight tile dequantized as the reference does."""
+    dtype = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    ks = k0 + offs_k  # [BLOCK_K] input features
+    k_ok = ks < K
+    x_offs = x_rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    if EVEN_K:
+        xt = tl.load(x_ptr + x_offs)
+    else:
+        xt = tl.load(x_ptr + x_offs, mask=k_ok[None, :], other=0.0)
+    if HAS_PQS:
+        pqs = tl.load(pqs_ptr + ks * stride_pk, mask=k_ok, other=0.0)  # [BLOCK_K] float32
+        xt = (xt.to(tl.float32) * pqs[None, :]).to(dtype)
+
+    if BITS == 4:
+        # Byte j of a row holds column 2j (low nibble) and 2j + 1 (high): joining (low, high) on a new last
+        # axis and flattening it puts them back in column order.
+        bytes_k = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K // 2]
+        q_offs = w_rows[:, None] * stride_qn + bytes_k[None, :]  # [BLOCK_N, BLOCK_K // 2]
+        if EVEN_K:
+            packed = tl.load(qw_ptr + q_offs)
+        else:
+            packed = tl.load(qw_ptr + q_offs, mask=(bytes_k < K // 2)[None, :], other=0)
+        u = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+    else:
+        q_offs = w_rows[:, None] * stride_qn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+        if EVEN_K:
+            u = tl.load(qw_ptr + q_offs).to(tl.float32)
+        else:
+            u = tl.load(qw_ptr + q_offs, mask=k_ok[None, :], other=0).to(tl.float32)
+
+    if GROUP_ALIGNED:  # the whole step is one group: one scale (and zero point) per row
+        g = k0 // group_size
+        s = tl.load(scales_ptr + w_rows * stride_sn + g * stride_sg)[:, None]  # [BLOCK_N, 1]
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + w_rows * stride_zn + g * stride_zg)[:, None]
+    else:  # a group per column: gathered (columns past K read group 0 / the last group, any valid one)
+        if HAS_G_IDX:
+            g = tl.load(g_idx_ptr + ks * stride_gk, mask=k_ok, other=0)  # [BLOCK_K] int32
+        else:
+            g = tl.minimum(ks, K - 1) // group_size
+        s = tl.load(scales_ptr + w_rows[:, None] * stride_sn + g[None, :] * stride_sg)  # [BLOCK_N, BLOCK_K]
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + w_rows[:, None] * stride_zn + g[None, :] * stride_zg)
+    if HAS_ZEROS:
+        q = u - z.to(tl.float32)
+    elif BITS == 4:
+        q = u - 8.0  # symmetric INT4 stores q + 8
+    else:
+        q = u  # symmetric INT8 is stored signed
+    w = (q * s).to(dtype)  # [BLOCK_N, BLOCK_K]: the reference's dequantized weight, bit for bit
+    acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+    return acc
+
+
+@triton.jit
+def _int4_group_step(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, pqs_ptr, x_rows, w_rows, k0, K, group_size,
+                     stride_xm, stride_qn, stride_sn, stride_sg, stride_zn, stride_zg, stride_pk,
+                     HAS_ZEROS: tl.constexpr, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[:, k0:k0+BLOCK_K] @ W^T for INT4 with the step inside one group, without dequantizing.
+
+    The nibbles u go to the tensor cores as they are: OR-ing a 16-bit float's exponent over them makes the
+    exact value off + u (1024 + u in float16, 128 + u in bfloat16: integers that format holds exactly), a
+    bitcast, no conversion instruction. The group's zero point and scale come after the dot, once per output:
+    sum_k (u - z) s x = s (sum_k (off + u) x - (off + z) sum_k x). Byte j holds columns 2j (low nibble) and
+    2j + 1 (high), so x is read as its even and odd columns, one dot each: no interleaving of the tile.
+    """
+    dtype = x_ptr.dtype.element_ty
+    half = tl.arange(0, BLOCK_K // 2)
+    ke = k0 + 2 * half  # [BLOCK_K // 2] even input features
+    x_offs = x_rows[:, None] * stride_xm + ke[None, :]  # [BLOCK_M, BLOCK_K // 2]
+    if EVEN_K:
+        xe = tl.load(x_ptr + x_offs)
+        xo = tl.load(x_ptr + x_offs + 1)
+    else:
+        xe = tl.load(x_ptr + x_offs, mask=(ke < K)[None, :], other=0.0)
+        xo = tl.load(x_ptr + x_offs + 1, mask=(ke + 1 < K)[None, :], other=0.0)
+    if HAS_PQS:
+        xe = (xe.to(tl.float32) * tl.load(pqs_ptr + ke * stride_pk, mask=ke < K, other=0.0)[None, :]).to(dtype)
+        xo = (xo.to(tl.float32) * tl.load(pqs_ptr + (ke + 1) * stride_pk, mask=ke + 1 < K,
+                                          other=0.0)[None, :]).to(dtype)
+    bytes_k = k0 // 2 + half
+    q_offs = w_rows[:, None] * stride_qn + bytes_k[None, :]  # [BLOCK_N, BLOCK_K // 2]
+    if EVEN_K:
+        packed = tl.load(qw_ptr + q_offs)
+    else:
+        packed = tl.load(qw_ptr + q_offs, mask=(bytes_k < K // 2)[None, :], other=0)
+    lo, hi = packed & 0xF, packed >> 4
+    if dtype == tl.float16:
+        off = 1024.0
+        wl = (lo.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        wh = (hi.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    elif dtype == tl.bfloat16:
+        off = 128.0
+        wl = (lo.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        wh = (hi.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    else:  # float32 activations: the nibbles converted (exact), no offset
+        off = 0.0
+        wl = lo.to(tl.float32)
+        wh = hi.to(tl.float32)
+    part = tl.dot(xe, tl.trans(wl), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+    part = tl.dot(xo, tl.trans(wh), part, input_precision=DOT_PRECISION)
+    x_sum = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)  # [BLOCK_M]
+    g = k0 // group_size
+    s = tl.load(scales_ptr + w_rows * stride_sn + g * stride_sg)  # [BLOCK_N] float32
+    if HAS_ZEROS:
+        z = tl.load(zeros_ptr + w_rows * stride_zn + g * stride_zg).to(tl.float32)
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)  # symmetric INT4 stores q + 8
+    return acc + (part - x_sum[:, None] * (z + off)[None, :]) * s[None, :]
+
+
+@triton.jit
 def _weight_only_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, pqs_ptr, out_ptr,
                         T, N, K, group_size, k_per_split, stride_xm, stride_qn, stride_sn, stride_sg,
                         stride_zn, stride_zg, stride_gk, stride_b, stride_pk, stride_om, stride_split,
                         BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                         GROUP_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PQS: tl.constexpr,
                         EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        INT4_FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile over K range [split * k_per_split, +k_per_split) ∩ [0, K).
     SPLIT_K == 1 writes y in x's dtype; SPLIT_K > 1 writes the float32 partial to out_ptr[split]."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -53,61 +182,19 @@ def _weight_only_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_pt
     # unmasked along N (vectorized), and the store masks them out.
     x_rows = (rows % T).to(tl.int64)
     w_rows = (cols % N).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + offs_k  # [BLOCK_K] input features
-        k_ok = ks < K
-        x_offs = x_rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-        if EVEN_K:
-            xt = tl.load(x_ptr + x_offs)
+        if INT4_FAST:
+            acc = _int4_group_step(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, pqs_ptr, x_rows, w_rows, k0, K,
+                                   group_size, stride_xm, stride_qn, stride_sn, stride_sg, stride_zn, stride_zg,
+                                   stride_pk, HAS_ZEROS, HAS_PQS, EVEN_K, DOT_PRECISION, BLOCK_K)
         else:
-            xt = tl.load(x_ptr + x_offs, mask=k_ok[None, :], other=0.0)
-        if HAS_PQS:
-            pqs = tl.load(pqs_ptr + ks * stride_pk, mask=k_ok, other=0.0)  # [BLOCK_K] float32
-            xt = (xt.to(tl.float32) * pqs[None, :]).to(dtype)
-
-        if BITS == 4:
-            # Byte j of a row holds column 2j (low nibble) and 2j + 1 (high): joining (low, high) on a new last
-            # axis and flattening it puts them back in column order.
-            bytes_k = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K // 2]
-            q_offs = w_rows[:, None] * stride_qn + bytes_k[None, :]  # [BLOCK_N, BLOCK_K // 2]
-            if EVEN_K:
-                packed = tl.load(qw_ptr + q_offs)
-            else:
-                packed = tl.load(qw_ptr + q_offs, mask=(bytes_k < K // 2)[None, :], other=0)
-            u = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
-        else:
-            q_offs = w_rows[:, None] * stride_qn + ks[None, :]  # [BLOCK_N, BLOCK_K]
-            if EVEN_K:
-                u = tl.load(qw_ptr + q_offs).to(tl.float32)
-            else:
-                u = tl.load(qw_ptr + q_offs, mask=k_ok[None, :], other=0).to(tl.float32)
-
-        if GROUP_ALIGNED:  # the whole step is one group: one scale (and zero point) per row
-            g = k0 // group_size
-            s = tl.load(scales_ptr + w_rows * stride_sn + g * stride_sg)[:, None]  # [BLOCK_N, 1]
-            if HAS_ZEROS:
-                z = tl.load(zeros_ptr + w_rows * stride_zn + g * stride_zg)[:, None]
-        else:  # a group per column: gathered (columns past K read group 0 / the last group, any valid one)
-            if HAS_G_IDX:
-                g = tl.load(g_idx_ptr + ks * stride_gk, mask=k_ok, other=0)  # [BLOCK_K] int32
-            else:
-                g = tl.minimum(ks, K - 1) // group_size
-            s = tl.load(scales_ptr + w_rows[:, None] * stride_sn + g[None, :] * stride_sg)  # [BLOCK_N, BLOCK_K]
-            if HAS_ZEROS:
-                z = tl.load(zeros_ptr + w_rows[:, None] * stride_zn + g[None, :] * stride_zg)
-        if HAS_ZEROS:
-            q = u - z.to(tl.float32)
-        elif BITS == 4:
-            q = u - 8.0  # symmetric INT4 stores q + 8
-        else:
-            q = u  # symmetric INT8 is stored signed
-        w = (q * s).to(dtype)  # [BLOCK_N, BLOCK_K]: the reference's dequantized weight, bit for bit
-        acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            acc = _dequantized_step(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, pqs_ptr, x_rows, w_rows,
+                                    k0, K, group_size, stride_xm, stride_qn, stride_sn, stride_sg, stride_zn,
+                                    stride_zg, stride_gk, stride_pk, BITS, HAS_ZEROS, HAS_G_IDX, GROUP_ALIGNED,
+                                    HAS_PQS, EVEN_K, DOT_PRECISION, BLOCK_N, BLOCK_K)
 
     out_mask = (rows < T)[:, None] & (cols < N)[None, :]
     rows = rows.to(tl.int64)  # T * N may pass 2**31 (a long prefill through the lm_head)
@@ -156,6 +243,8 @@ class _LaunchConfig:
 # prefill chunks go to cuBLAS.
 DEQUANT_MIN_TOKENS = 1024
 _MAX_BLOCK_K = 128
+# INT4 steps inside one group go through _int4_group_step; False makes them dequantize (benchmarks compare).
+INT4_FAST = True
 _MIN_STEPS_PER_SPLIT = 4  # shorter K ranges cost more in partial traffic than their parallelism brings
 _MAX_SPLIT_K = 16
 
@@ -218,7 +307,7 @@ def tuning_candidates() -> tuple[list[dict], Callable[[dict], list[dict]]]:
     """What build-time tuning (builder/tune.py) times, in two rounds: tiles and K ranges at one warp count and
     pipeline depth, then warps and depths around the best of those; settings as config_with takes them."""
     first = [{"block_n": bn, "block_k": bk, "split_k": split, "num_warps": 4, "num_stages": 3}
-             for bn in (64, 128) for bk in (64, 128) for split in (1, 2, 4, 8, 16)]
+             for bn in (64, 128) for bk in (64, 128) for split in (1, 2, 4, 8, 16, 32)]
 
     def second(best: dict) -> list[dict]:
         return [{**best, "num_warps": w, "num_stages": st} for w in (2, 4, 8) for st in (2, 3, 4)]
@@ -246,8 +335,8 @@ def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, 
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, GROUP_ALIGNED=cfg.group_aligned,
         HAS_BIAS=bias is not None, HAS_PQS=pre_quant_scale is not None, EVEN_K=k % cfg.block_k == 0,
         SPLIT_K=cfg.split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INT4_FAST=INT4_FAST and bits == 4 and cfg.group_aligned and cfg.block_k >= 32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 256
         _sum_splits_kernel[(t, triton.cdiv(n, block))](

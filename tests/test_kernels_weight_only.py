@@ -8,7 +8,10 @@ exact in float32. Only the float32 summation order differs (tile by tile, split-
 float32 sum by ~K * 2**-24 relative and so flips at most the last bit of the rounded output now and then:
 one float16 ulp is 2**-11 relative, one bfloat16 ulp 2**-8. The cases keep |y| around 1, so rtol = atol =
 1e-2 allows such flips with margin while a wrong nibble, group, zero point or scale (errors of ~0.1 and up)
-fails.
+fails. INT4 steps inside one group skip the dequantization (scale and zero point applied to each group's
+partial sum), so on CUDA, in bfloat16, the reference's own rounding of every weight to bfloat16 (2**-9
+relative each, ~3e-3 over K = 4096) adds to the output's flip of one ulp (2**-7 for 1 <= |y| < 2): the CUDA
+checks allow 2e-2, still far below a wrong nibble's error.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def _check_cuda(args):
     y = weight_only_linear_triton(*args)
     ref = weight_only_linear_reference(*args)
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape and torch.isfinite(y).all()
-    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

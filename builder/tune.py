@@ -38,6 +38,9 @@ class WeightOnlyShape:
     group_size: int
     asymmetric: bool
     act_order: bool
+    # a layer whose parts smooth x apart (AWQ's qkv, gate_up): their row counts, launched as one product
+    # (weight_only_linear_parts) with tiles that end on the parts' bounds
+    parts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, order=True)
@@ -56,13 +59,13 @@ def _quantized_linears(network: nn.Module, kind: type):
 
 def weight_only_shapes(network: nn.Module) -> list[WeightOnlyShape]:
     """The distinct weight-only products of `network` (built on the meta device for the rank being built): a
-    fused layer whose parts are smoothed apart launches one product per part, as WeightOnlyLinear.apply does."""
+    fused layer whose parts are smoothed apart is one product of parts, as WeightOnlyLinear.apply launches it."""
     shapes = set()
     for module, method in _quantized_linears(network, WeightOnlyLinear):
         per_part = method.smoothed and method.per_part_smoothing and not method.act_order
-        for n in (module.output_sizes if per_part else (module.out_features,)):
-            shapes.add(WeightOnlyShape(n, module.in_features, method.bits, method.group(module.in_features),
-                                       method.asymmetric, method.act_order))
+        parts = tuple(module.output_sizes) if per_part and len(module.output_sizes) > 1 else ()
+        shapes.add(WeightOnlyShape(module.out_features, module.in_features, method.bits,
+                                   method.group(module.in_features), method.asymmetric, method.act_order, parts))
     return sorted(shapes)
 
 
@@ -145,6 +148,7 @@ def _cuda_time_fn(make_inputs: Callable[[object, int, torch.Generator], tuple],
 def weight_only_time_fn(device: torch.device, dtype: torch.dtype) -> TimeFn:
     """Times weight-only launches on `device` with random weights of each shape."""
     from kiln.plugins.triton_weight_only import _launch, config_with
+    from kiln.plugins.triton_weight_only_parts import parts_fit
 
     def make_inputs(shape: WeightOnlyShape, t: int, gen: torch.Generator) -> tuple:
         cols = shape.k // 2 if shape.bits == 4 else shape.k
@@ -158,11 +162,16 @@ def weight_only_time_fn(device: torch.device, dtype: torch.dtype) -> TimeFn:
         g_idx = ((torch.arange(shape.k, device=device) // shape.group_size).to(torch.int32)
                  if shape.act_order else None)
         x = torch.randn(t, shape.k, generator=gen, device=device).to(dtype)
-        return (x, qweight, scales, zeros, shape.bits, shape.group_size, None, None, g_idx)
+        pqs = torch.ones(len(shape.parts), shape.k, device=device) if shape.parts else None  # [P, K]
+        return (x, qweight, scales, zeros, shape.bits, shape.group_size, None, pqs, g_idx), shape.parts
 
-    def launch(args: tuple, settings: dict):
+    def launch(inputs: tuple, settings: dict):
+        args, parts = inputs
         x, group_size, g_idx = args[0], args[5], args[8]  # x: [T, K]
-        return _launch(*args, config_with(x.shape[0], x.shape[1], group_size, g_idx is not None, **settings))
+        cfg = config_with(x.shape[0], x.shape[1], group_size, g_idx is not None, **settings)
+        if parts and not parts_fit(parts, cfg.block_n):
+            raise ValueError(f"tiles of {cfg.block_n} columns cross the bounds of parts {parts}")
+        return _launch(*args, cfg, parts or None)
 
     return _cuda_time_fn(make_inputs, launch, device)
 

@@ -11,8 +11,9 @@ from .norm_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_q
 from .quant_linear import scaled_linear, scaled_linear_quantized, weight_only_linear
 from .rotary import rotary_embedding
 from .rotary_kv import rotary_embedding_and_write_kv
+from .weight_only_parts import weight_only_linear_parts
 
 __all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
            "rotary_embedding_and_write_kv", "scaled_linear", "silu_and_mul", "weight_only_linear",
            "write_kv_cache", "fp8_block_linear", "fused_moe", "fused_add_rms_norm_quant", "rms_norm_quant",
-           "silu_and_mul_quant", "scaled_linear_quantized"]
+           "silu_and_mul_quant", "scaled_linear_quantized", "weight_only_linear_parts"]

@@ -43,6 +43,7 @@ import triton.language as tl
 from . import tuning
 from ._triton import sm_count as _sm_count
 from .triton_dequantize import dequantize_weight_triton
+from .triton_smooth import smooth_triton
 
 
 @triton.jit
@@ -163,7 +164,8 @@ def _int4_group_step(acc, packed, x_ptr, scales_ptr, zeros_ptr, x_rows, w_rows, 
 
 @triton.jit
 def _weight_only_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
-                        T, N, K, group_size, k_per_split, stride_xm, stride_qn, stride_sn, stride_sg,
+                        T, N, K, group_size, k_per_split, stride_xm, stride_xp, part_b1, part_b2, stride_qn,
+                        stride_sn, stride_sg,
                         stride_zn, stride_zg, stride_gk, stride_b, stride_om, stride_split,
                         BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                         GROUP_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -171,8 +173,12 @@ def _weight_only_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_pt
                         INT4_FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile over K range [split * k_per_split, +k_per_split) ∩ [0, K).
-    SPLIT_K == 1 writes y in x's dtype; SPLIT_K > 1 writes the float32 partial to out_ptr[split]."""
+    SPLIT_K == 1 writes y in x's dtype; SPLIT_K > 1 writes the float32 partial to out_ptr[split].
+    A layer of parts (weight_only_linear_parts) has x as [P, T, K], one smoothed x per part: output columns
+    from part_b1 (and from part_b2) read the next part's x, stride_xp further; no tile straddles a bound."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    col0 = pid_n * BLOCK_N
+    x_ptr += ((col0 >= part_b1).to(tl.int64) + (col0 >= part_b2).to(tl.int64)) * stride_xp
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] tokens
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     # Rows and columns past the edge read a valid row (modulo) instead of masking: the weight loads stay
@@ -221,32 +227,6 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, N, stride_split, stride_pm, 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _smooth_kernel(x_ptr, pqs_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr):
-    """out[m, ks] = (x[m, ks] * pre_quant_scale[ks]) in float32, rounded to x's dtype: the reference's smoothing."""
-    row = tl.program_id(0).to(tl.int64)
-    ks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = ks < K
-    x = tl.load(x_ptr + row * stride_xm + ks, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.load(pqs_ptr + ks, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_om + ks, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def smooth_triton(x: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
-    """x: [T, K] (last dim contiguous) times pre_quant_scale: [K] float32 -> [T, K] in x's dtype.
-
-    One pass over x before the GEMM rather than inside it: every output tile's program would smooth the same x
-    again, which cost the decode GEMV 10-30% at the Llama-3.1-8B shapes on an H100 (x is 16 rows a tile there,
-    the one real token repeated)."""
-    t, k = x.shape
-    out = torch.empty((t, k), dtype=x.dtype, device=x.device)
-    if t:
-        block = 1024
-        _smooth_kernel[(t, triton.cdiv(k, block))](x, pre_quant_scale.contiguous(), out, k, x.stride(0),
-                                                   out.stride(0), BLOCK=block, num_warps=4)
-    return out
 
 
 @dataclass(frozen=True)
@@ -345,11 +325,17 @@ def _stride(vector: torch.Tensor | None) -> int:
 
 
 def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx,
-            cfg: _LaunchConfig) -> torch.Tensor:
-    if pre_quant_scale is not None:
-        x = smooth_triton(x, pre_quant_scale)
-    t, k = x.shape
+            cfg: _LaunchConfig, part_sizes: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
+    """One GEMM (and its split-K sum). With part_sizes, pre_quant_scale is [P, K] and parts_fit holds."""
     n = qweight.shape[0]
+    stride_xp, bounds = 0, [n, n]
+    if pre_quant_scale is not None:
+        x = smooth_triton(x, pre_quant_scale)  # [T, K], or [P, T, K] for parts
+    if part_sizes is not None:
+        stride_xp = x.stride(0)
+        bounds = ([sum(part_sizes[:i]) for i in range(1, len(part_sizes))] + bounds)[:2]
+        x = x[0]  # part 0's x; the kernel steps stride_xp per part
+    t, k = x.shape
     out = x.new_empty((t, n))
     # Unused pointer arguments get any tensor: their loads are compiled out by the constexpr flags.
     part = out if cfg.split_k == 1 else torch.empty((cfg.split_k, t, n), dtype=torch.float32, device=x.device)
@@ -357,14 +343,14 @@ def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, 
     _weight_only_kernel[grid](
         x, qweight, scales, scales if zeros is None else zeros, x if g_idx is None else g_idx,
         x if bias is None else bias, part,
-        t, n, k, group_size, cfg.k_per_split, x.stride(0), qweight.stride(0), *scales.stride(),
+        t, n, k, group_size, cfg.k_per_split, x.stride(0), stride_xp, *bounds, qweight.stride(0), *scales.stride(),
         *(zeros.stride() if zeros is not None else (0, 0)), _stride(g_idx), _stride(bias),
         part.stride(-2), part.stride(0) if cfg.split_k > 1 else 0,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, GROUP_ALIGNED=cfg.group_aligned,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         SPLIT_K=cfg.split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        INT4_FAST=INT4_FAST and bits == 4 and cfg.group_aligned and cfg.block_k >= 32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INT4_FAST=INT4_FAST and bits == 4 and cfg.group_aligned and cfg.block_k >= 32, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 256
         _sum_splits_kernel[(t, triton.cdiv(n, block))](
@@ -394,8 +380,17 @@ def weight_only_linear_triton(
         w = dequantize_weight_triton(qweight, scales, zeros, bits, group_size, x.dtype, g_idx)  # [N, K]
         xs = x if pre_quant_scale is None else smooth_triton(x, pre_quant_scale)
         return F.linear(xs, w, bias)
-    k, has_g_idx = x.shape[1], g_idx is not None
-    tuned = tuning.lookup(TUNED_KERNEL, tuning_key(t, n, k, bits, group_size, has_g_idx, zeros is not None))
-    cfg = (config_with(t, k, group_size, has_g_idx, **tuned) if tuned else
-           _launch_config(t, n, k, bits, group_size, has_g_idx, _sm_count(x.device)))
+    cfg = _config(x, n, bits, group_size, g_idx is not None, zeros is not None)
     return _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx, cfg)
+
+
+def _config(x: torch.Tensor, n: int, bits: int, group_size: int, has_g_idx: bool, has_zeros: bool,
+            tuned_ok: Callable[[_LaunchConfig], bool] = lambda cfg: True) -> _LaunchConfig:
+    """The tuned settings of this shape (when they pass tuned_ok), else the shape heuristic."""
+    t, k = x.shape
+    tuned = tuning.lookup(TUNED_KERNEL, tuning_key(t, n, k, bits, group_size, has_g_idx, has_zeros))
+    if tuned:
+        cfg = config_with(t, k, group_size, has_g_idx, **tuned)
+        if tuned_ok(cfg):
+            return cfg
+    return _launch_config(t, n, k, bits, group_size, has_g_idx, _sm_count(x.device))

@@ -8,7 +8,7 @@ the whole row is per-channel); 4-bit values are packed two to a byte (plugins/in
 AWQ's `pre_quant_scale` is kept per part of a fused layer ([parts, in]: q, k and v each with its own),
 because AWQ searched each part's scale on its own: one shared scale (the mean, as ModelOpt's exporter
 makes) measured +5.9% perplexity on kiln-tiny-code against +3.6% for the calibrated model itself. The
-product is then one weight-only GEMM per part.
+product is then `weight_only_linear_parts`: on CUDA one GEMM whose tiles read their part's smoothed x.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 from kiln.model_defs.layers.linear import TensorDecl
 from kiln.plugins.int4_pack import pack_int4
 from kiln.plugins.quant_linear import weight_only_linear
+from kiln.plugins.weight_only_parts import weight_only_linear_parts
 
 from .base import LinearPart, QuantError, QuantizedLinearMethod
 from .rounding import TINY, amax_floor, group_view, int_max, int_quantize
@@ -95,14 +96,9 @@ class WeightOnlyLinear(QuantizedLinearMethod):
         if pqs is None or pqs.shape[0] == 1:
             return weight_only_linear(x, layer.qweight, layer.scales, zeros, bits=self.bits, group_size=group,
                                       bias=bias, pre_quant_scale=None if pqs is None else pqs[0])
-        outputs, start = [], 0
-        for i, rows in enumerate(layer.output_sizes):  # each part with its own smoothing of x
-            part = slice(start, start + rows)
-            start += rows
-            outputs.append(weight_only_linear(
-                x, layer.qweight[part], layer.scales[part], None if zeros is None else zeros[part], bits=self.bits,
-                group_size=group, bias=None if bias is None else bias[part], pre_quant_scale=pqs[i]))
-        return torch.cat(outputs, dim=-1)
+        # each part with its own smoothing of x, in one product
+        return weight_only_linear_parts(x, layer.qweight, layer.scales, zeros, bits=self.bits, group_size=group,
+                                        bias=bias, pre_quant_scale=pqs, part_sizes=layer.output_sizes)
 
     def quantize(self, parts: Sequence[LinearPart]) -> dict[str, torch.Tensor]:
         weight = torch.cat([p.weight.float() for p in parts])  # [out, in]

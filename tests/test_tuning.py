@@ -51,6 +51,13 @@ def test_weight_only_shapes_are_the_products_the_network_launches(tmp_path):
     assert {(s.bits, s.group_size, s.asymmetric, s.act_order) for s in shapes} == {(4, 32, True, False)}  # int4_wo: zero points
 
 
+def test_awq_layers_of_parts_are_one_product_each(tmp_path):
+    # AWQ smooths q, k, v (and gate, up) apart: one weight_only_linear_parts product per fused layer.
+    shapes = weight_only_shapes(_meta_network(tmp_path, "int4_awq", 32))
+    assert [(s.n, s.k, s.parts) for s in shapes] == [(64, 64, ()), (64, 128, ()), (128, 64, (64, 32, 32)),
+                                                     (256, 64, (128, 128))]
+
+
 def test_scaled_shapes_are_the_fp8_and_int8_products(tmp_path):
     fp8 = _meta_network(tmp_path, "fp8", None)
     assert scaled_shapes(fp8) == [ScaledShape(64, 64, False), ScaledShape(64, 128, False),

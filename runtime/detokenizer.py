@@ -45,6 +45,17 @@ class IncrementalDetokenizer:
         self._emitted = ""  # final text: decoded up to read_offset, never changes except the stop cut
         self._pending = ""  # decoded text past read_offset that ends in an incomplete character
         self._stop_matched: str | None = None
+        self._deferred: list[int] = []  # tokens added with `defer`, not decoded yet
+
+    def defer(self, token_id: int) -> None:
+        """Append one output token without decoding it yet: the tokens deferred are decoded together, two
+        decodes in all, when the text is next read or a token is added with add_token. Only for a request
+        without stop strings (nothing to find token by token), whose text nobody reads until it ends: the
+        engine's final-only steps, where per-token decoding was most of the host's work per request."""
+        if self._stop:
+            raise RuntimeError("defer is for requests without stop strings; use add_token")
+        if self._tokenizer is not None:
+            self._deferred.append(token_id)
 
     @property
     def text(self) -> str:
@@ -53,6 +64,7 @@ class IncrementalDetokenizer:
         Includes a trailing incomplete character (decoded as "\\ufffd") if the tokens so far end in
         one, so that when the request ends, `text` equals decoding all output ids at once.
         """
+        self._flush()
         return self._emitted + self._pending
 
     @property
@@ -71,7 +83,19 @@ class IncrementalDetokenizer:
             )
         if self._tokenizer is None:
             return None
+        self._flush()
         self._tokens.append(token_id)
+        return self._advance()
+
+    def _flush(self) -> None:
+        if self._deferred:
+            self._tokens.extend(self._deferred)
+            self._deferred = []
+            self._advance()
+
+    def _advance(self) -> str | None:
+        """Decodes the tokens appended since read_offset (one or many: the prefix-offset algorithm takes any
+        number) and returns the stop string the new text completed, if any."""
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._tokens[self._prefix_offset:])
         new_text = full_text[len(prefix_text):]
@@ -94,6 +118,7 @@ class IncrementalDetokenizer:
         """
         if finished or self._stop_matched is not None:
             return self.text
+        self._flush()
         return self._emitted[:max(0, len(self._emitted) - self._stop_overlap)]
 
     def _decode(self, token_ids: list[int]) -> str:

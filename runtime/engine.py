@@ -307,6 +307,12 @@ class LLMEngine:
         request = tracked.request
         if index >= len(request.output_token_ids):
             return None
+        last = request.status.finished and index == len(request.output_token_ids) - 1
+        if add_text and final_only and not last and not request.sampling_params.stop:
+            # Nobody reads this text before the request ends and no stop string is searched for: decode it
+            # then, all at once, rather than twice per token (most of the host's work per request and step).
+            tracked.detokenizer.defer(token)
+            return None
         if add_text and tracked.detokenizer.add_token(token) is not None:
             # Tokens sampled after the stop string in the same step are dropped.
             for values in (request.output_token_ids, tracked.logprobs, tracked.top_logprobs):

@@ -106,3 +106,20 @@ def test_final_only_steps_hand_out_each_request_once_as_it_finished(tiny_code_en
     assert [(o.token_ids, o.text, o.finish_reason) for o in final] == \
         [(o.token_ids, o.text, o.finish_reason) for o in cumulative]
     assert final[3].finish_reason == "stop" and "\n" not in final[3].text
+
+
+def test_final_only_steps_decode_the_text_once_when_the_request_ends(tiny_code_engine, monkeypatch):
+    """Without stop strings nobody reads the text before the end: LLM.generate's tokens are deferred and decoded
+    together with the last one (one add_token per request instead of one per token), same text."""
+    from kiln.runtime.detokenizer import IncrementalDetokenizer
+
+    calls = []
+    add_token = IncrementalDetokenizer.add_token
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", lambda self, t: (calls.append(t), add_token(self, t))[1])
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_code_engine) as llm:
+        out = llm.generate(["def fibonacci(n):", "import os\n"], sp)
+    assert len(calls) == 2
+    tokenizer = llm.engine.tokenizer
+    assert [o.text for o in out] == [tokenizer.decode(o.token_ids, skip_special_tokens=True,
+                                                      clean_up_tokenization_spaces=False) for o in out]

@@ -143,3 +143,31 @@ def test_no_tokenizer():
     assert [detok.add_token(t) for t in (5, 6)] == [None, None]
     assert detok.text == ""
     assert detok.readable_text(finished=False) == detok.readable_text(finished=True) == ""
+
+
+def test_deferred_tokens_decode_together_to_the_same_text(tokenizer):
+    """defer (the engine's final-only steps) decodes the tokens it held all at once when the text is read or a
+    token is added: the same text as adding them one by one, half characters included."""
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    unicode_ids = encode(tokenizer, UNICODE_TEXT)
+    for trial in range(100):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        output = unicode_ids if trial == 0 else [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
+        one_by_one, deferred = IncrementalDetokenizer(tokenizer, prompt), IncrementalDetokenizer(tokenizer, prompt)
+        stream(one_by_one, output)
+        cut = rng.randrange(len(output) + 1)
+        for token_id in output[:cut]:
+            deferred.defer(token_id)
+        if cut < len(output):  # a token added normally after deferred ones: they are decoded first, in order
+            deferred.add_token(output[cut])
+            for token_id in output[cut + 1:]:
+                deferred.defer(token_id)
+        assert deferred.text == one_by_one.text == full_decode(tokenizer, output)
+        assert deferred.readable_text(finished=True) == one_by_one.text
+
+
+def test_defer_refuses_a_request_with_stop_strings(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [0], stop=["x"])
+    with pytest.raises(RuntimeError, match="without stop strings"):
+        detok.defer(5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ._parts import each_part
 from .triton_weight_only import DEQUANT_MIN_TOKENS, _config, _launch, weight_only_linear_triton
 
 
@@ -39,11 +40,5 @@ def weight_only_linear_parts_triton(
         if parts_fit(part_sizes, cfg.block_n):
             return _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, None, cfg,
                            part_sizes)
-    outputs, start = [], 0
-    for i, rows in enumerate(part_sizes):
-        part = slice(start, start + rows)
-        start += rows
-        outputs.append(weight_only_linear_triton(
-            x, qweight[part], scales[part], None if zeros is None else zeros[part], bits, group_size,
-            None if bias is None else bias[part], pre_quant_scale[i]))
-    return torch.cat(outputs, dim=-1)
+    return each_part(weight_only_linear_triton, x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale,
+                     part_sizes)

@@ -14,6 +14,7 @@ import torch
 
 from ._checks import check_dims, check_dtype, check_same_device, check_size
 from ._eager import KernelOp
+from ._parts import each_part
 from ._triton import USE_TRITON
 from .quant_linear import (
     _check_bias_and_smoothing,
@@ -37,14 +38,8 @@ def weight_only_linear_parts_reference(
 ) -> torch.Tensor:
     # x: [T, K]; qweight, scales, zeros, bias: the whole layer's rows [N, ...] = the parts' rows in order;
     # pre_quant_scale: [P, K] float32; part_sizes: P row counts adding up to N -> [T, N] x.dtype
-    outputs, start = [], 0
-    for i, rows in enumerate(part_sizes):
-        part = slice(start, start + rows)
-        start += rows
-        outputs.append(weight_only_linear_reference(
-            x, qweight[part], scales[part], None if zeros is None else zeros[part], bits, group_size,
-            None if bias is None else bias[part], pre_quant_scale[i]))
-    return torch.cat(outputs, dim=-1)
+    return each_part(weight_only_linear_reference, x, qweight, scales, zeros, bits, group_size, bias,
+                     pre_quant_scale, part_sizes)
 
 
 _weight_only_linear_parts = KernelOp("kiln::weight_only_linear_parts", weight_only_linear_parts_reference)

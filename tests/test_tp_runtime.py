@@ -34,6 +34,10 @@ VARIANTS = {
     "qwen2-biases": ("Qwen2ForCausalLM", {"tie_word_embeddings": False}, {}),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 16}, {}),
     "llama-int4-wo": ("LlamaForCausalLM", {}, {"qformat": "int4_wo", "awq_block_size": 32}),
+    # FP8 linears fed by the fused norm / SiLU quantization; AWQ's per-part smoothing as one product of parts
+    "llama-fp8-dummy": ("LlamaForCausalLM", {}, {"qformat": "fp8", "dummy_weights": True}),
+    "llama-int4-awq-dummy": ("LlamaForCausalLM", {}, {"qformat": "int4_awq", "awq_block_size": 32,
+                                                      "dummy_weights": True}),
     # experts split by intermediate features, the shared expert column/row, a dense layer among sparse ones
     "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                          "moe_intermediate_size": 32,

@@ -43,7 +43,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs for one request as it advances; the last one has `finished` set.
+        """Yields outputs for one request as it advances (cumulative, or what is new with
+        SamplingParams.output_kind "delta"); the last one has `finished` set.
         Invalid input raises ValueError (naming the field) before anything is queued."""
         loop = asyncio.get_running_loop()
         guided = sampling_params.guided_decoding if isinstance(sampling_params, SamplingParams) else None

@@ -307,6 +307,7 @@ class LLMEngine:
         request = tracked.request
         if index >= len(request.output_token_ids):
             return None
+        final_only = final_only or request.sampling_params.output_kind == "final_only"
         last = request.status.finished and index == len(request.output_token_ids) - 1
         if add_text and final_only and not last and not request.sampling_params.stop:
             # Nobody reads this text before the request ends and no stop string is searched for: decode it
@@ -326,7 +327,7 @@ class LLMEngine:
                 self._release(request.request_id)
         if final_only and not (request.status.finished and index == len(request.output_token_ids) - 1):
             return None
-        return tracked.output()
+        return tracked.output(index + 1)
 
     def _release(self, request_id: str) -> None:
         if self.token_masker is not None:

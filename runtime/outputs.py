@@ -1,4 +1,5 @@
-"""What the runtime hands back for a request (cumulative: each update holds everything so far)."""
+"""What the runtime hands back for a request: each update holds everything so far, or with
+SamplingParams.output_kind="delta" what is new since the previous update."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
+    # With output_kind "delta", token_ids, text, logprobs and top_logprobs hold only what is new since the
+    # previous update, and the prompt logprobs come in the first update only (None after it).
     token_ids: list[int]  # generated tokens so far (a final EOS / stop token included)
     text: str  # generated text so far; while streaming, text a stop string might still cut is held back
     finish_reason: str | None  # "stop" | "length" | "abort", None while running

@@ -14,6 +14,9 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
 
 
 MAX_TOP_LOGPROBS = 20
+# What each update of a request holds (vLLM's RequestOutputKind): everything so far, what is new since the
+# previous update, or nothing until the one final update.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,11 @@ class SamplingParams:
     (`GuidedDecoding`; needs xgrammar); EOS then ends the request only where the constraint allows it.
     `num_speculative_tokens`: on an engine that speculates, at most this many draft tokens per step for this
     request (None: the engine's K; 0: none). Speculation never changes what is sampled: greedy output is the
-    same token for token, sampled output follows the same distribution.
+    same token for token, sampled output follows the same distribution. `output_kind` (vLLM's
+    RequestOutputKind): "cumulative" updates hold everything so far; "delta" updates hold only what is new
+    since the previous one (tokens, text, logprobs; prompt logprobs in the first), so a stream costs the
+    host in proportion to new tokens, not to the output so far; "final_only" gives one update, when the
+    request ends (`LLM.generate` always does).
     """
 
     max_tokens: int = 16
@@ -57,6 +64,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecoding | None = None
     num_speculative_tokens: int | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
@@ -106,6 +114,8 @@ class SamplingParams:
                  or (_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0),
                  "num_speculative_tokens", self.num_speculative_tokens,
                  "must be None (the engine's) or an integer >= 0 (0: not speculated)")
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind,
+                 f"must be one of {', '.join(OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:

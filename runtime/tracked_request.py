@@ -22,6 +22,10 @@ class TrackedRequest:
     prompt_logprobs: list[float | None] | None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    # output_kind "delta": how many tokens and characters of text earlier updates handed out
+    sent_tokens: int = 0
+    sent_text: int = 0
+    num_updates: int = 0
 
     @classmethod
     def start(cls, request: Request, tokenizer, device: torch.device) -> TrackedRequest:
@@ -46,10 +50,13 @@ class TrackedRequest:
         r = self.request
         return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self.generator)
 
-    def output(self) -> RequestOutput:
-        """The request's cumulative output so far (lists copied: the caller may keep it)."""
+    def output(self, upto: int | None = None) -> RequestOutput:
+        """The request's output so far (lists copied: the caller may keep it), or with output_kind "delta" what
+        is new since the previous call: tokens up to `upto` (the tokens an update covers; default all)."""
         r = self.request
         finished = r.status.finished
+        if r.sampling_params.output_kind == "delta":
+            return self._delta(len(r.output_token_ids) if upto is None else upto)
 
         def copied(values):
             return list(values) if values is not None else None
@@ -64,5 +71,32 @@ class TrackedRequest:
             top_logprobs=copied(self.top_logprobs),
             prompt_logprobs=copied(self.prompt_logprobs),
             prompt_top_logprobs=copied(self.prompt_top_logprobs),
+            num_cached_tokens=r.num_cached_prompt_tokens,
+        )
+
+    def _delta(self, upto: int) -> RequestOutput:
+        r = self.request
+        finished = r.status.finished
+        first, self.sent_tokens = self.sent_tokens, max(self.sent_tokens, upto)
+        text = self.detokenizer.readable_text(finished)  # never cut later: what was sent stays its prefix
+        new_text, self.sent_text = text[self.sent_text:], max(self.sent_text, len(text))
+        prompt_update, self.num_updates = self.num_updates == 0, self.num_updates + 1
+
+        def new(values):  # per generated token, like token_ids
+            return values[first:self.sent_tokens] if values is not None else None
+
+        def once(values):  # per prompt token, complete before the first update: in that update only
+            return list(values) if values is not None and prompt_update else None
+
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            token_ids=r.output_token_ids[first:self.sent_tokens],
+            text=new_text,
+            finish_reason=r.status.value if finished else None,
+            logprobs=new(self.logprobs),
+            top_logprobs=new(self.top_logprobs),
+            prompt_logprobs=once(self.prompt_logprobs),
+            prompt_top_logprobs=once(self.prompt_top_logprobs),
             num_cached_tokens=r.num_cached_prompt_tokens,
         )

@@ -54,49 +54,37 @@ class TrackedRequest:
         """The request's output so far (lists copied: the caller may keep it), or with output_kind "delta" what
         is new since the previous call: tokens up to `upto` (the tokens an update covers; default all)."""
         r = self.request
-        finished = r.status.finished
-        if r.sampling_params.output_kind == "delta":
-            return self._delta(len(r.output_token_ids) if upto is None else upto)
+        text = self.detokenizer.readable_text(r.status.finished)  # never cut later: what was sent stays its prefix
+        if r.sampling_params.output_kind != "delta":
+            return self._window(0, len(r.output_token_ids), text, with_prompt=True)
+        first = self.sent_tokens
+        self.sent_tokens = max(first, len(r.output_token_ids) if upto is None else upto)
+        new_text, self.sent_text = text[self.sent_text:], max(self.sent_text, len(text))
+        # Prompt logprobs are complete before the first update: they go in that one only.
+        prompt_update, self.num_updates = self.num_updates == 0, self.num_updates + 1
+        return self._window(first, self.sent_tokens, new_text, with_prompt=prompt_update)
 
-        def copied(values):
-            return list(values) if values is not None else None
-
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
-            token_ids=list(r.output_token_ids),
-            text=self.detokenizer.readable_text(finished),
-            finish_reason=r.status.value if finished else None,
-            logprobs=copied(self.logprobs),
-            top_logprobs=copied(self.top_logprobs),
-            prompt_logprobs=copied(self.prompt_logprobs),
-            prompt_top_logprobs=copied(self.prompt_top_logprobs),
-            num_cached_tokens=r.num_cached_prompt_tokens,
-        )
-
-    def _delta(self, upto: int) -> RequestOutput:
+    def _window(self, first: int, end: int, text: str, with_prompt: bool) -> RequestOutput:
+        """An output of generated tokens [first, end) (and their logprobs), `text`, and the prompt's logprobs
+        when `with_prompt`; every list a copy."""
         r = self.request
         finished = r.status.finished
-        first, self.sent_tokens = self.sent_tokens, max(self.sent_tokens, upto)
-        text = self.detokenizer.readable_text(finished)  # never cut later: what was sent stays its prefix
-        new_text, self.sent_text = text[self.sent_text:], max(self.sent_text, len(text))
-        prompt_update, self.num_updates = self.num_updates == 0, self.num_updates + 1
 
-        def new(values):  # per generated token, like token_ids
-            return values[first:self.sent_tokens] if values is not None else None
+        def part(values):  # per generated token, like token_ids
+            return values[first:end] if values is not None else None
 
-        def once(values):  # per prompt token, complete before the first update: in that update only
-            return list(values) if values is not None and prompt_update else None
+        def prompt(values):  # per prompt token
+            return list(values) if values is not None and with_prompt else None
 
         return RequestOutput(
             request_id=r.request_id,
             prompt_token_ids=r.prompt_token_ids,
-            token_ids=r.output_token_ids[first:self.sent_tokens],
-            text=new_text,
+            token_ids=r.output_token_ids[first:end],
+            text=text,
             finish_reason=r.status.value if finished else None,
-            logprobs=new(self.logprobs),
-            top_logprobs=new(self.top_logprobs),
-            prompt_logprobs=once(self.prompt_logprobs),
-            prompt_top_logprobs=once(self.prompt_top_logprobs),
+            logprobs=part(self.logprobs),
+            top_logprobs=part(self.top_logprobs),
+            prompt_logprobs=prompt(self.prompt_logprobs),
+            prompt_top_logprobs=prompt(self.prompt_top_logprobs),
             num_cached_tokens=r.num_cached_prompt_tokens,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -18,13 +19,15 @@ from kiln.runtime.sampling_params import SamplingParams
 from .errors import Overloaded, Unavailable
 from .guided_request import engine_refusal
 from .metrics import ServeMetrics
+from .request_progress import CumulativeOutput, RequestProgress
 
 
 @dataclass(frozen=True)
 class Delta:
-    """What one engine update added to a request; `output` is the cumulative state."""
+    """What one engine update added to a request; `output` is the cumulative state as of it (its token list,
+    text and logprobs copied out when read: request_progress.py)."""
 
-    output: RequestOutput
+    output: RequestOutput | CumulativeOutput
     text: str  # new text since the previous delta
     token_ids: list[int]  # new tokens
     logprobs: list[float] = field(default_factory=list)  # new, when asked
@@ -106,11 +109,13 @@ class EngineService:
         request_id = request_id or self.new_request_id()
         metrics = self.metrics
         start = last = time.perf_counter()
+        # The engine hands over what each step added; the progress adds it up for whoever reads `output`.
+        params = params if params.output_kind == "delta" else dataclasses.replace(params, output_kind="delta")
         stream = self.llm.generate(prompt, params, request_id=request_id)
         self._inflight.add(request_id)
         self._idle.clear()
         outcome = "error"
-        text_len = tokens = lp_len = 0
+        progress = RequestProgress()
         try:
             try:
                 out = await anext(stream)
@@ -120,9 +125,9 @@ class EngineService:
             metrics.prompt_tokens.inc(len(out.prompt_token_ids))
             while True:
                 now = time.perf_counter()
-                new = len(out.token_ids) - tokens
+                new = len(out.token_ids)
                 if new > 0:
-                    if tokens == 0:
+                    if not progress.token_ids:
                         metrics.time_to_first_token.observe(now - start)
                         new_gaps = new - 1
                     else:
@@ -131,14 +136,13 @@ class EngineService:
                         metrics.inter_token_latency.observe((now - last) / new)
                     metrics.generation_tokens.inc(new)
                     last = now
-                delta = Delta(out, out.text[text_len:], out.token_ids[tokens:],
-                              (out.logprobs or [])[lp_len:], (out.top_logprobs or [])[lp_len:])
-                text_len, tokens, lp_len = len(out.text), len(out.token_ids), len(out.logprobs or [])
+                delta = Delta(progress.add(out), out.text, out.token_ids, out.logprobs or [], out.top_logprobs or [])
                 if out.finished:
                     outcome = out.finish_reason
                     if cut_off_is_error and outcome == "abort":
-                        raise Unavailable(f"the request was cut off by server shutdown after {len(out.token_ids)} "
-                                          f"generated token(s); send it again to a running server")
+                        raise Unavailable(f"the request was cut off by server shutdown after "
+                                          f"{len(progress.token_ids)} generated token(s); send it again to a "
+                                          f"running server")
                     metrics.e2e_latency.observe(now - start)
                     yield delta
                     return

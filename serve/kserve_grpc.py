@@ -238,13 +238,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """One response per new piece of text (never the prompt): output_log_probs holds the piece's tokens,
         cum_log_probs the sum over all tokens so far."""
         stream = self.service.generate(row.prompt, row.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL)
+        cum_log_prob = 0.0  # over every token so far, shown or not
         async with contextlib.aclosing(stream) as stream:
             async for delta in stream:
+                cum_log_prob += sum(delta.logprobs)
                 if not (delta.text or delta.finished or (row.return_log_probs and delta.logprobs)):
                     continue  # nothing to show yet (e.g. text a stop string might still cut)
                 outputs = make_outputs(names, [delta.text], [delta.logprobs])
                 if "cum_log_probs" in outputs:
-                    outputs["cum_log_probs"][0, 0] = sum(delta.output.logprobs or [])
+                    outputs["cum_log_probs"][0, 0] = cum_log_prob
                 final = delta.finished and last_is_final
                 emit(pb.ModelStreamInferResponse(infer_response=self._response(request, outputs, final)))
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+try:  # tokenizers >= 0.21: the prefix-offset algorithm below, in Rust, one call per token
+    from tokenizers.decoders import DecodeStream
+except ImportError:
+    DecodeStream = None
+
 # Prompt tokens kept as decoding context, so the first output token decodes as it does mid-text
 # (SentencePiece/Llama tokenizers drop the leading space of the first token of a decode).
 _PROMPT_CONTEXT_TOKENS = 5
@@ -16,7 +21,10 @@ class IncrementalDetokenizer:
 
     Uses the prefix_offset/read_offset algorithm of vLLM and TGI: each step decodes
     `tokens[prefix_offset:]` and `tokens[prefix_offset:read_offset]` and emits the difference, unless
-    it ends in an incomplete character. `tokens` starts with the last few prompt tokens as context.
+    it ends in an incomplete character. `tokens` starts with the last few prompt tokens as context. With a
+    fast tokenizer it runs as tokenizers' DecodeStream (the same algorithm in Rust: one call a token instead
+    of two decodes, ~0.7 against ~6 us); the offsets are kept alongside, so a stream that refuses a token
+    (it checks that each decode extends the last) hands over to the Python steps mid-request.
 
     `tokenizer` is a Hugging Face tokenizer, or None (an engine without tokenizer files): then the
     text stays "" and no stop string ever matches.
@@ -43,8 +51,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
         self._emitted = ""  # final text: decoded up to read_offset, never changes except the stop cut
-        self._pending = ""  # decoded text past read_offset that ends in an incomplete character
         self._stop_matched: str | None = None
+        self._stream = None
+        if self._backend is not None and DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            if self._tokens:
+                self._stream.step(self._backend, list(self._tokens))  # the prompt context; its text is not output
+        self._fed = len(self._tokens)  # tokens the stream has seen
         self._deferred: list[int] = []  # tokens added with `defer`, not decoded yet
 
     def defer(self, token_id: int) -> None:
@@ -65,7 +78,7 @@ class IncrementalDetokenizer:
         one, so that when the request ends, `text` equals decoding all output ids at once.
         """
         self._flush()
-        return self._emitted + self._pending
+        return self._emitted + self._pending()
 
     @property
     def stop_matched(self) -> str | None:
@@ -96,18 +109,34 @@ class IncrementalDetokenizer:
     def _advance(self) -> str | None:
         """Decodes the tokens appended since read_offset (one or many: the prefix-offset algorithm takes any
         number) and returns the stop string the new text completed, if any."""
-        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._tokens[self._prefix_offset:])
-        new_text = full_text[len(prefix_text):]
-        if full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
-            # Not final yet (half a character, or nothing new): wait for more tokens.
-            self._pending = new_text
-            return None
-        self._pending = ""
+        if self._stream is not None:
+            new_ids = self._tokens[self._fed:]
+            self._fed = len(self._tokens)
+            try:
+                new_text = self._stream.step(self._backend, new_ids if len(new_ids) > 1 else new_ids[0])
+            except Exception:  # e.g. a decode that does not extend the previous one: the Python steps go on
+                self._stream = None
+                return self._advance()
+            if not new_text:
+                return None  # half a character, or nothing new: wait for more tokens
+        else:
+            prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+            full_text = self._decode(self._tokens[self._prefix_offset:])
+            if full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
+                return None  # not final yet (half a character, or nothing new): wait for more tokens
+            new_text = full_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         search_from = max(0, len(self._emitted) - self._stop_overlap)
         self._emitted += new_text
         return self._find_stop(search_from)
+
+    def _pending(self) -> str:
+        """The text of the tokens past read_offset (they end in an incomplete character, or added nothing
+        yet): decoded only when the whole text is read."""
+        if self._stop_matched is not None or self._read_offset >= len(self._tokens):
+            return ""
+        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        return self._decode(self._tokens[self._prefix_offset:])[len(prefix_text):]
 
     def readable_text(self, finished: bool) -> str:
         """The text that is safe to stream now.

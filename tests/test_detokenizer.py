@@ -171,3 +171,62 @@ def test_defer_refuses_a_request_with_stop_strings(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [0], stop=["x"])
     with pytest.raises(RuntimeError, match="without stop strings"):
         detok.defer(5)
+
+
+def _metaspace_tokenizer(tmp_path):
+    """A SentencePiece-style tokenizer (Metaspace: the first token of a decode loses its leading space), the
+    case the prompt context exists for."""
+    from tokenizer_factory import training_sentences
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(training_sentences(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_the_rust_stream_emits_what_the_python_steps_emit(tokenizer, tmp_path, kind):
+    """tokenizers' DecodeStream (the fast path) and the Python prefix-offset steps give the same text token by
+    token, with a prompt context, special tokens kept or skipped, and stop strings."""
+    tok = tokenizer if kind == "byte-level" else _metaspace_tokenizer(tmp_path)
+    rng = random.Random(3)
+    vocab = len(tok)
+    for trial in range(120):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        stop = [full_decode(tok, output)[3:5]] if trial % 3 == 0 and len(full_decode(tok, output)) > 5 else []
+        skip = trial % 2 == 0
+        fast = IncrementalDetokenizer(tok, prompt, stop, skip_special_tokens=skip)
+        slow = IncrementalDetokenizer(tok, prompt, stop, skip_special_tokens=skip)
+        assert fast._stream is not None
+        slow._stream = None
+        for token_id in output:
+            matched = fast.add_token(token_id)
+            assert matched == slow.add_token(token_id)
+            assert fast.readable_text(finished=False) == slow.readable_text(finished=False)
+            if matched is not None:
+                break
+        assert fast.text == slow.text
+        if not stop and kind == "byte-level":  # random byte-fallback garbage need not decode alike in pieces
+            assert fast.text == full_decode(tok, output, skip_special_tokens=skip)
+
+
+def test_a_stream_that_refuses_a_token_hands_over_to_the_python_steps(tokenizer):
+    class Refusing:
+        def step(self, backend, ids):
+            raise Exception("DecodeStream: invalid prefix")
+
+    output = encode(tokenizer, UNICODE_TEXT)
+    detok = IncrementalDetokenizer(tokenizer, [0])
+    for token_id in output[:5]:
+        detok.add_token(token_id)
+    detok._stream = Refusing()
+    for token_id in output[5:]:
+        detok.add_token(token_id)
+    assert detok._stream is None and detok.text == UNICODE_TEXT

@@ -324,6 +324,11 @@ def _stride(vector: torch.Tensor | None) -> int:
     return 0 if vector is None else vector.stride(0)
 
 
+def part_bounds(part_sizes: list[int] | tuple[int, ...]) -> list[int]:
+    """The output columns where each part after the first begins."""
+    return [sum(part_sizes[:i]) for i in range(1, len(part_sizes))]
+
+
 def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx,
             cfg: _LaunchConfig, part_sizes: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
     """One GEMM (and its split-K sum). With part_sizes, pre_quant_scale is [P, K] and parts_fit holds."""
@@ -333,7 +338,7 @@ def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, 
         x = smooth_triton(x, pre_quant_scale)  # [T, K], or [P, T, K] for parts
     if part_sizes is not None:
         stride_xp = x.stride(0)
-        bounds = ([sum(part_sizes[:i]) for i in range(1, len(part_sizes))] + bounds)[:2]
+        bounds = (part_bounds(part_sizes) + bounds)[:2]
         x = x[0]  # part 0's x; the kernel steps stride_xp per part
     t, k = x.shape
     out = x.new_empty((t, n))

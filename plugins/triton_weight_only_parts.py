@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from ._parts import each_part
-from .triton_weight_only import DEQUANT_MIN_TOKENS, _config, _launch, weight_only_linear_triton
+from .triton_weight_only import DEQUANT_MIN_TOKENS, _config, _launch, part_bounds, weight_only_linear_triton
 
 
 def parts_fit(part_sizes: list[int] | tuple[int, ...], block_n: int) -> bool:
     """Whether one launch can compute a layer of these parts with block_n-wide tiles: at most three parts (two
     bounds), each bound on a tile edge."""
-    bounds = [sum(part_sizes[:i]) for i in range(1, len(part_sizes))]
+    bounds = part_bounds(part_sizes)
     return len(bounds) <= 2 and all(b % block_n == 0 for b in bounds)
 
 

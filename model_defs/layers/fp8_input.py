@@ -25,7 +25,8 @@ class Fp8Input(NamedTuple):
 
 
 class Fp8Consumer(NamedTuple):
-    """The linear a producer feeds, when that linear takes FP8 input."""
+    """The linear a producer feeds, when that linear takes FP8 input. A tuple, not the module itself: a module
+    set as an attribute of the norm would become its submodule (and its tensors appear twice in state_dict)."""
 
     linear: nn.Module
 

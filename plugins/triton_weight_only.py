@@ -250,7 +250,12 @@ class _LaunchConfig:
 DEQUANT_MIN_TOKENS = 1024
 _MAX_BLOCK_K = 128
 # INT4 steps inside one group go through _int4_group_step; False makes them dequantize (benchmarks compare).
+# Only for one token: on an H100 (8B shapes, CUDA-graph timed, best of a grid of tiles, splits and warps) it
+# is 2% faster at one token (the four GEMMs of a layer 103 us against 105), 25% slower at 16 (137 against
+# 110) and 2.5-7x slower from 32 tokens, where the per-group partial sum beside the accumulator costs more
+# than it saves (gate_up at 128 tokens: 778 us against 158).
 INT4_FAST = True
+_INT4_FAST_MAX_TOKENS = 1
 _MIN_STEPS_PER_SPLIT = 4  # shorter K ranges cost more in partial traffic than their parallelism brings
 _MAX_SPLIT_K = 16
 
@@ -329,6 +334,12 @@ def part_bounds(part_sizes: list[int] | tuple[int, ...]) -> list[int]:
     return [sum(part_sizes[:i]) for i in range(1, len(part_sizes))]
 
 
+def _int4_fast(cfg: _LaunchConfig, bits: int, t: int) -> bool:
+    """Whether this launch takes _int4_group_step: INT4, one token, K steps that stay inside one group."""
+    return (INT4_FAST and bits == 4 and cfg.group_aligned and cfg.block_k >= 32
+            and t <= _INT4_FAST_MAX_TOKENS)
+
+
 def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx,
             cfg: _LaunchConfig, part_sizes: list[int] | tuple[int, ...] | None = None) -> torch.Tensor:
     """One GEMM (and its split-K sum). With part_sizes, pre_quant_scale is [P, K] and parts_fit holds."""
@@ -354,7 +365,7 @@ def _launch(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, 
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, GROUP_ALIGNED=cfg.group_aligned,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         SPLIT_K=cfg.split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        INT4_FAST=INT4_FAST and bits == 4 and cfg.group_aligned and cfg.block_k >= 32, BLOCK_M=cfg.block_m,
+        INT4_FAST=_int4_fast(cfg, bits, t), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 256

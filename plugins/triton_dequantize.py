@@ -16,24 +16,19 @@ import triton.language as tl
 
 _BLOCK_N = 16  # weight rows per program
 _BLOCK_K = 256  # weight columns per program
+# INT4: one row of 1024 columns per program. H100, 28672 x 4096 to bfloat16: 166 us (1.8 TB/s of bytes read
+# and written), 181 with 4 x 256, 315 with 16 x 256; 491 before the nibbles were split after a contiguous load.
+_INT4_BLOCK_N = 1
+_INT4_BLOCK_K = 1024
 
 
 @triton.jit
-def _dequantize_kernel(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, group_size,
-                       stride_qn, stride_sn, stride_sg, stride_zn, stride_zg, stride_gk, stride_on,
-                       BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of N
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] of K
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    if BITS == 4:  # column k sits in byte k // 2: the low nibble for an even k, the high one for an odd k
-        packed = tl.load(qw_ptr + rows64 * stride_qn + (cols // 2)[None, :], mask=mask, other=0)
-        u = (packed.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 0xF
-    else:
-        u = tl.load(qw_ptr + rows64 * stride_qn + cols[None, :], mask=mask, other=0)
+def _scaled(u, rows64, cols, mask, scales_ptr, zeros_ptr, g_idx_ptr, K, group_size, stride_sn, stride_sg,
+            stride_zn, stride_zg, stride_gk, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+            HAS_G_IDX: tl.constexpr):
+    # u: [BLOCK_N, C] unsigned codes of weight columns `cols` ([C] of K) -> (u - zero point) * scale, float32
     if HAS_G_IDX:
-        groups = tl.load(g_idx_ptr + cols * stride_gk, mask=cols < K, other=0)  # [BLOCK_K]
+        groups = tl.load(g_idx_ptr + cols * stride_gk, mask=cols < K, other=0)  # [C]
     else:
         groups = cols // group_size
     s = tl.load(scales_ptr + rows64 * stride_sn + groups[None, :] * stride_sg, mask=mask, other=0.0)
@@ -43,7 +38,40 @@ def _dequantize_kernel(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, 
                         other=0).to(tl.float32)
     elif BITS == 4:
         q = q - 8.0  # symmetric INT4 stores q + 8
-    tl.store(out_ptr + rows64 * stride_on + cols[None, :], (q * s).to(out_ptr.dtype.element_ty), mask=mask)
+    return q * s
+
+
+@triton.jit
+def _dequantize_kernel(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, group_size,
+                       stride_qn, stride_sn, stride_sg, stride_zn, stride_zg, stride_gk, stride_on,
+                       BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of N
+    rows64 = rows.to(tl.int64)[:, None]
+    if BITS == 4:
+        # Byte j holds columns 2j (low nibble) and 2j + 1 (high nibble): the bytes load as one contiguous run,
+        # each nibble's columns dequantize apart and interleave back into BLOCK_K contiguous columns to store
+        # (loading byte k // 2 for every column k made byte-wide loads and stores, a quarter of the bandwidth).
+        half = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K / 2] bytes
+        even = half * 2
+        mask = (rows < N)[:, None] & (even < K)[None, :]
+        packed = tl.load(qw_ptr + rows64 * stride_qn + half[None, :], mask=mask, other=0).to(tl.int32)
+        low = _scaled(packed & 0xF, rows64, even, mask, scales_ptr, zeros_ptr, g_idx_ptr, K, group_size,
+                      stride_sn, stride_sg, stride_zn, stride_zg, stride_gk, BITS, HAS_ZEROS, HAS_G_IDX)
+        high = _scaled((packed >> 4) & 0xF, rows64, even + 1, mask, scales_ptr, zeros_ptr, g_idx_ptr, K,
+                       group_size, stride_sn, stride_sg, stride_zn, stride_zg, stride_gk, BITS, HAS_ZEROS,
+                       HAS_G_IDX)
+        w = tl.interleave(low, high)  # [BLOCK_N, BLOCK_K]: columns 2j, 2j + 1
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    else:
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] of K
+        u = tl.load(qw_ptr + rows64 * stride_qn + cols[None, :], mask=(rows < N)[:, None] & (cols < K)[None, :],
+                    other=0)
+        w = _scaled(u, rows64, cols, (rows < N)[:, None] & (cols < K)[None, :], scales_ptr, zeros_ptr, g_idx_ptr,
+                    K, group_size, stride_sn, stride_sg, stride_zn, stride_zg, stride_gk, BITS, HAS_ZEROS,
+                    HAS_G_IDX)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    tl.store(out_ptr + rows64 * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_weight_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
@@ -54,12 +82,13 @@ def dequantize_weight_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros:
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _BLOCK_K))
+    block_n, block_k = (_INT4_BLOCK_N, _INT4_BLOCK_K) if bits == 4 else (_BLOCK_N, _BLOCK_K)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     # Unused pointer arguments get any tensor: their loads are compiled out by the constexpr flags.
     _dequantize_kernel[grid](
         qweight, scales, scales if zeros is None else zeros, scales if g_idx is None else g_idx, out,
         n, k, group_size, qweight.stride(0), *scales.stride(),
         *(zeros.stride() if zeros is not None else (0, 0)), 0 if g_idx is None else g_idx.stride(0), out.stride(0),
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
-        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out

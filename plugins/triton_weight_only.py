@@ -246,7 +246,9 @@ class _LaunchConfig:
 # weight's bytes, slower than cuBLAS's tensor-core GEMM once it is compute-bound. On an H100 at the
 # Llama-3.1-8B shapes (INT4, g128, CUDA-graph timed) the fused kernel wins up to 512 tokens (N=28672: 446 us
 # against 704 at 512; 1681 against 1153 at 2048) and they cross near 1024: decode batches stay fused, long
-# prefill chunks go to cuBLAS.
+# prefill chunks go to cuBLAS. Measured before the dequantization kernel became 3x faster (triton_dequantize.py):
+# the crossover is likely lower now (a layer at 512 tokens: 894 us fused against 356 us of dequantization plus
+# the GEMMs), not yet timed.
 DEQUANT_MIN_TOKENS = 1024
 _MAX_BLOCK_K = 128
 # INT4 steps inside one group go through _int4_group_step; False makes them dequantize (benchmarks compare).

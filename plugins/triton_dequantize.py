@@ -65,11 +65,10 @@ def _dequantize_kernel(qw_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, 
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     else:
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] of K
-        u = tl.load(qw_ptr + rows64 * stride_qn + cols[None, :], mask=(rows < N)[:, None] & (cols < K)[None, :],
-                    other=0)
-        w = _scaled(u, rows64, cols, (rows < N)[:, None] & (cols < K)[None, :], scales_ptr, zeros_ptr, g_idx_ptr,
-                    K, group_size, stride_sn, stride_sg, stride_zn, stride_zg, stride_gk, BITS, HAS_ZEROS,
-                    HAS_G_IDX)
+        in_bounds = (rows < N)[:, None] & (cols < K)[None, :]
+        u = tl.load(qw_ptr + rows64 * stride_qn + cols[None, :], mask=in_bounds, other=0)
+        w = _scaled(u, rows64, cols, in_bounds, scales_ptr, zeros_ptr, g_idx_ptr, K, group_size, stride_sn,
+                    stride_sg, stride_zn, stride_zg, stride_gk, BITS, HAS_ZEROS, HAS_G_IDX)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     tl.store(out_ptr + rows64 * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -160,6 +160,20 @@ def test_launch_config_keeps_steps_in_one_group_and_splits_small_outputs():
     assert not _launch_config(16, 4096, 4104, 8, 4104, False, 132).group_aligned  # 4104 = 8 * 513
 
 
+@needs_triton
+def test_int4_group_step_is_taken_at_one_token_only():
+    """The one-token INT4 path was 25% slower at 16 tokens and 2.5-7x slower from 32 on an H100 (README): every
+    other token count, INT8 and act-order launches dequantize each step."""
+    from kiln.plugins.triton_weight_only import _int4_fast, _launch_config
+
+    one = _launch_config(1, 4096, 4096, 4, 128, False, 132)
+    assert _int4_fast(one, 4, 1)
+    assert not _int4_fast(one, 4, 2) and not _int4_fast(one, 4, 16)  # same tile height, more tokens
+    assert not _int4_fast(_launch_config(128, 4096, 4096, 4, 128, False, 132), 4, 128)
+    assert not _int4_fast(_launch_config(1, 4096, 4096, 8, 128, False, 132), 8, 1)
+    assert not _int4_fast(_launch_config(1, 4096, 4096, 4, 128, True, 132), 4, 1)
+
+
 # --- CUDA ---
 
 needs_cuda_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and USE_TRITON),

@@ -22,6 +22,7 @@ from .outputs import RequestOutput
 from .prompt_logprobs import PromptLogprobTarget
 from .request import PLACEHOLDER, Request, RequestStatus
 from .request_checks import Prompt, check_fits, tokenize_prompt
+from .request_failure import RequestFailed, RequestFailure
 from .sampler import DeviceSample, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerLimits, SchedulerOutput
@@ -85,6 +86,8 @@ class LLMEngine:
         # Tokens read back but not yet turned into text: (request, token, its index among the request's
         # output tokens, whether the token adds text).
         self._pending: list[tuple[TrackedRequest, int, int, bool]] = []
+        # Requests ended by a failure of their own since the last step() returned: their final updates.
+        self._failed: list[RequestOutput] = []
         self.num_preemptions = 0
 
     @property
@@ -108,6 +111,8 @@ class LLMEngine:
         is unusable after."""
         if self.speculator is not None:
             self.speculator.shutdown()
+        if self._guided is not None:  # its grammar worker processes
+            self._guided.compiler.close()
         self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -169,7 +174,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether step() has more to do: requests to run, a step in flight, or outputs not yet handed out."""
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._pending)
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._pending) or \
+            bool(self._failed)
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -201,8 +207,11 @@ class LLMEngine:
         if overlap:
             self._complete(inflight, resolve=True)
         pending, self._pending = self._pending, []
-        outputs = (self._emit(*item, final_only=final_only) for item in pending)
-        return [out for out in outputs if out is not None]
+        outputs = self._emit(pending, final_only)
+        if self._failed:
+            outputs.extend(self._failed)
+            self._failed = []
+        return outputs
 
     def _launch(self, scheduled: SchedulerOutput, previous: _Launched | None = None) -> _Launched:
         """Runs the network and queues the sampling of a scheduled step. `previous`: the step still in flight
@@ -229,6 +238,8 @@ class LLMEngine:
             mask = None
             if self.token_masker is not None:
                 mask = self.token_masker.token_mask(row_ids, rows, vocab_size, device)
+                for request_id, failure in self.token_masker.take_failures().items():
+                    self._tracked[request_id].failure = failure  # its token is not kept: _complete ends it
             mask = apply_min_tokens(mask, rows, self.eos_token_ids, vocab_size, device)
             drafts = None
             if self.speculator is not None:
@@ -253,6 +264,9 @@ class LLMEngine:
             first_row, end_row = offsets[i], offsets[i + 1]
             tracked = self._tracked.get(request_id)
             if first_row == end_row or tracked is None:  # nothing sampled, or ended while the step ran
+                continue
+            if tracked.failure is not None:  # its row could not be masked: nothing it sampled is kept
+                endings.append((request_id, RequestStatus.FINISHED_ERROR))
                 continue
             request = tracked.request
             params = request.sampling_params
@@ -292,28 +306,63 @@ class LLMEngine:
             ending = {request_id for request_id, _ in endings}
             for request_id, tokens in accepted.items():
                 # A constraint that has ended (its grammar took EOS under ignore_eos or min_tokens) ends it.
-                if self.token_masker.accept(request_id, tokens) and request_id not in ending:
-                    endings.append((request_id, RequestStatus.FINISHED_STOPPED))
+                try:
+                    if self.token_masker.accept(request_id, tokens) and request_id not in ending:
+                        endings.append((request_id, RequestStatus.FINISHED_STOPPED))
+                except RequestFailed as e:
+                    self._tracked[request_id].failure = e.failure
+                    endings.append((request_id, RequestStatus.FINISHED_ERROR))
         for request_id, status in endings:
+            if status == RequestStatus.FINISHED_ERROR:
+                self._fail(request_id)
+                continue
             self.scheduler.finish_request(request_id, status)
             del self._tracked[request_id]
             self._release(request_id)
 
-    def _emit(self, tracked: TrackedRequest, token: int, index: int, add_text: bool,
-              final_only: bool = False) -> RequestOutput | None:
-        """Adds a token's text (ending the request if it completes a stop string) and builds the update;
-        None for a token after a stop string that ended its request within the same step, and with
-        `final_only` for any but a finished request's last token."""
+    def _emit(self, pending: list[tuple[TrackedRequest, int, int, bool]], final_only: bool) -> list[RequestOutput]:
+        """Adds the read-back tokens' text (ending requests that complete a stop string) and builds one update
+        per request that advanced: several tokens of one step (verified drafts) go out together, so only the
+        last update of a request is marked finished. With `final_only`, updates of finished requests only.
+        Something that goes wrong for one request (its text cannot be decoded) ends that request alone."""
+        advanced: dict[TrackedRequest, int] = {}  # request -> index of its last token that counts
+        for tracked, token, index, add_text in pending:
+            if tracked.failure is not None:
+                continue
+            try:
+                if self._add_text(tracked, token, index, add_text, final_only):
+                    advanced[tracked] = index
+            except Exception as e:  # kiln's fault, for this request only
+                tracked.failure = RequestFailure(f"internal error while decoding the output: {e!r}")
+                advanced.pop(tracked, None)
+                if tracked.request.request_id in self._tracked:
+                    self._fail(tracked.request.request_id)
+                else:  # ended within this step already: its final update is this failure
+                    tracked.request.status = RequestStatus.FINISHED_ERROR
+                    self._failed.append(tracked.output())
+        outputs = []
+        for tracked, index in advanced.items():
+            request = tracked.request
+            last = request.status.finished and index == len(request.output_token_ids) - 1
+            if (final_only or request.sampling_params.output_kind == "final_only") and not last:
+                continue
+            outputs.append(tracked.output(index + 1))
+        return outputs
+
+    def _add_text(self, tracked: TrackedRequest, token: int, index: int, add_text: bool,
+                  final_only: bool) -> bool:
+        """Adds a token's text, ending the request if it completes a stop string; False for a token after a
+        stop string that ended its request within the same step (it was dropped)."""
         request = tracked.request
         if index >= len(request.output_token_ids):
-            return None
+            return False
         final_only = final_only or request.sampling_params.output_kind == "final_only"
         last = request.status.finished and index == len(request.output_token_ids) - 1
         if add_text and final_only and not last and not request.sampling_params.stop:
             # Nobody reads this text before the request ends and no stop string is searched for: decode it
             # then, all at once, rather than twice per token (most of the host's work per request and step).
             tracked.detokenizer.defer(token)
-            return None
+            return True
         if add_text and tracked.detokenizer.add_token(token) is not None:
             # Tokens sampled after the stop string in the same step are dropped.
             for values in (request.output_token_ids, tracked.logprobs, tracked.top_logprobs):
@@ -325,9 +374,16 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 del self._tracked[request.request_id]
                 self._release(request.request_id)
-        if final_only and not (request.status.finished and index == len(request.output_token_ids) - 1):
-            return None
-        return tracked.output(index + 1)
+        return True
+
+    def _fail(self, request_id: str) -> None:
+        """Ends a running request whose `failure` is set with finish_reason "error" (its KV blocks, matcher and
+        drafts released; its tokens not yet turned into text dropped) and queues its final update."""
+        tracked = self._tracked.pop(request_id)
+        self._pending = [item for item in self._pending if item[0] is not tracked]
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        self._release(request_id)
+        self._failed.append(tracked.output())
 
     def _release(self, request_id: str) -> None:
         if self.token_masker is not None:

@@ -15,7 +15,10 @@ def _fail(name: str, value: object, rule: str) -> None:
 
 
 def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # a deeply nested schema
+        text = f"<a {type(value).__name__} nested too deeply to show>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -58,6 +61,8 @@ class GuidedDecoding:
                     parsed = _json.loads(self.json)
                 except ValueError as e:
                     _fail("json", self.json, f"not valid JSON text ({e})")
+                except RecursionError:  # a RuntimeError: would otherwise reach a server as an internal error
+                    _fail("json", self.json, "nested too deeply")
             elif isinstance(self.json, dict):
                 parsed = self.json
             else:
@@ -68,6 +73,8 @@ class GuidedDecoding:
                 schema_text = _json.dumps(parsed, separators=(",", ":"))
             except (TypeError, ValueError) as e:
                 _fail("json", self.json, f"not JSON-serializable ({e})")
+            except RecursionError:
+                _fail("json", self.json, "nested too deeply")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 from .grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from .guided_decoding import GuidedDecoding
+from .request_failure import RequestFailed, RequestFailure
 from .sampler import SamplingRow
 
 # Batches of at least this many constrained rows fill their bitmasks on xgrammar's thread pool (for servers
@@ -32,6 +33,8 @@ class GuidedMasker:
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._batch = xgr.BatchGrammarMatcher()
         self._shifts: dict[torch.device, torch.Tensor] = {}
+        # Rows the last token_mask could not mask: request id -> why (TokenMasker.take_failures).
+        self._failures: dict[str, RequestFailure] = {}
 
     @classmethod
     def for_engine(cls, tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
@@ -72,11 +75,7 @@ class GuidedMasker:
             raise NotImplementedError("guided decoding samples one row per request per step; several rows of "
                                       "one constrained request (speculative decoding) are not supported yet")
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)  # [N, W] int32, CPU
-        if len(matchers) >= _BATCH_FILL_MIN_ROWS:
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        else:
-            for k, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, k)
+        self._fill(matchers, [request_ids[i] for i in index], bitmask)
         # Unpack on the logits' device: the bitmask is 32 times smaller than the bool mask to move there.
         allowed = self._unpack(bitmask.to(device, non_blocking=True), vocab_size)  # [N, V] bool
         if len(matchers) == len(rows):
@@ -85,16 +84,27 @@ class GuidedMasker:
         mask[torch.tensor(index, device=device)] = allowed
         return mask
 
+    def take_failures(self) -> dict[str, RequestFailure]:
+        failures, self._failures = self._failures, {}
+        return failures
+
     def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Advances the request's matcher; True when it has terminated (accepted a stop token), so the
-        request must end. A token the matcher rejects was sampled against the mask: an internal error."""
+        request must end. A token the matcher rejects was sampled against the mask: RequestFailed (an
+        internal error for that request alone)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return False
         for token in token_ids:
-            if not matcher.accept_token(token):
-                raise RuntimeError(f"guided decoding: request {request_id!r} sampled token {token}, which its "
-                                   f"grammar does not allow here; the token mask was not applied to its row")
+            try:
+                accepted = matcher.accept_token(token)
+            except Exception as e:  # xgrammar raises for ids it does not know
+                accepted, why = False, f": {e}"
+            else:
+                why = ""
+            if not accepted:
+                raise RequestFailed(request_id, RequestFailure(
+                    f"guided decoding: sampled token {token}, which the constraint does not allow here{why}"))
         return matcher.is_terminated()
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
@@ -107,6 +117,32 @@ class GuidedMasker:
         self._matchers.pop(request_id, None)
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _fill(self, matchers: list[xgr.GrammarMatcher], request_ids: list[str], bitmask: torch.Tensor) -> None:
+        """Fills row k of `bitmask` [N, W] with what matcher k allows next. A row that allows no token (a
+        constraint that leads nowhere: `root ::= root`, a $ref loop) or whose matcher fails is opened to every
+        token and its request recorded in `_failures`, to be ended by the engine instead of sampled against an
+        empty mask."""
+        try:
+            if len(matchers) >= _BATCH_FILL_MIN_ROWS:
+                self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+            else:
+                for k, matcher in enumerate(matchers):
+                    matcher.fill_next_token_bitmask(bitmask, k)
+        except Exception:  # find the row that failed, one by one
+            for k, matcher in enumerate(matchers):
+                try:
+                    matcher.fill_next_token_bitmask(bitmask, k)
+                except Exception as e:
+                    bitmask[k] = 0
+                    self._failures[request_ids[k]] = RequestFailure(f"guided decoding failed: {e}")
+        empty = (bitmask == 0).all(dim=1)  # [N] bool, on the host: a few words per row
+        if bool(empty.any()):
+            for k in empty.nonzero().flatten().tolist():
+                bitmask[k] = -1
+                self._failures.setdefault(request_ids[k], RequestFailure(
+                    "guided decoding: the constraint allows no token here (it can neither continue nor end: "
+                    "check it for rules or $refs that only refer to themselves)", client_error=True))
+
     def _unpack(self, bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[N, W] int32 bitmask (bit j of word w: token 32 w + j) -> [N, vocab_size] bool. Token ids past the
         bitmask (a model vocabulary wider than the compiler's) are disallowed."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .request_failure import RequestFailure
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -14,7 +16,7 @@ class RequestOutput:
     # previous update, and the prompt logprobs come in the first update only (None after it).
     token_ids: list[int]  # generated tokens so far (a final EOS / stop token included)
     text: str  # generated text so far; while streaming, text a stop string might still cut is held back
-    finish_reason: str | None  # "stop" | "length" | "abort", None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error", None while running
     logprobs: list[float] | None = None  # per generated token, when SamplingParams.logprobs
     # per generated token, its top_logprobs most likely tokens {token id: logprob}, when asked
     top_logprobs: list[dict[int, float]] | None = None
@@ -23,6 +25,8 @@ class RequestOutput:
     # model's distribution at that position, when asked
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With finish_reason "error": what went wrong for this request alone (the engine went on serving).
+    error: RequestFailure | None = None
 
     @property
     def finished(self) -> bool:

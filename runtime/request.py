@@ -19,10 +19,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Something went wrong for this request alone (runtime/request_failure.py); the engine went on.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass(eq=False)

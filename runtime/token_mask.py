@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from .request_failure import RequestFailure
 from .sampler import SamplingRow
 
 
@@ -22,10 +23,17 @@ class TokenMasker(Protocol):
         width), which may exceed the tokenizer's."""
         ...
 
+    def take_failures(self) -> dict[str, RequestFailure]:
+        """Requests whose rows the last `token_mask` could not mask (their constraint allows no token, or its
+        matcher failed), each with why; their rows were left unmasked and the engine ends them with
+        finish_reason "error" instead of keeping the token. Cleared by the call."""
+        ...
+
     def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Advances the request's constraint past the tokens it accepted this step. True when the constraint
         has ended (guided decoding: its grammar accepted a stop token); the engine then ends the request with
-        finish_reason "stop"."""
+        finish_reason "stop". Raises RequestFailed (runtime/request_failure.py) for a constraint that cannot
+        go on: the engine ends that request alone."""
         ...
 
     def release(self, request_id: str) -> None:

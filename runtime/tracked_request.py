@@ -10,6 +10,7 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .outputs import RequestOutput
 from .request import Request
+from .request_failure import RequestFailure
 from .sampler import SamplingRow
 
 
@@ -26,6 +27,8 @@ class TrackedRequest:
     sent_tokens: int = 0
     sent_text: int = 0
     num_updates: int = 0
+    # Set when something went wrong for this request alone; the engine ends it with finish_reason "error".
+    failure: RequestFailure | None = None
 
     @classmethod
     def start(cls, request: Request, tokenizer, device: torch.device) -> TrackedRequest:
@@ -87,4 +90,5 @@ class TrackedRequest:
             prompt_logprobs=prompt(self.prompt_logprobs),
             prompt_top_logprobs=prompt(self.prompt_top_logprobs),
             num_cached_tokens=r.num_cached_prompt_tokens,
+            error=self.failure if finished else None,
         )

@@ -79,3 +79,11 @@ class Forbidden(RequestError):
     status = 403
     grpc_code = "PERMISSION_DENIED"
     openai_type = "permission_error"
+
+
+class InternalError(RequestError):
+    """Something went wrong inside kiln for this request alone (the engine went on serving the others)."""
+
+    status = 500
+    grpc_code = "INTERNAL"
+    openai_type = "internal_error"

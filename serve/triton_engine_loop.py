@@ -52,6 +52,10 @@ class Sink(Protocol):
     def abort(self, message: str | None) -> None:
         """The submission was stopped: cancelled (message None), or the loop is stopping (why)."""
 
+    def fail(self, message: str, client_error: bool) -> None:
+        """A row failed alone once running (runtime/request_failure.py): its constraint led nowhere
+        (`client_error`) or kiln failed it; the submission's other rows were stopped."""
+
 
 @dataclass(eq=False)
 class _Submission:
@@ -179,6 +183,11 @@ class EngineLoop:
             except ValueError as e:  # e.g. a guide xgrammar cannot compile: the whole submission is refused
                 self._reject(submission, row, e)
                 continue
+            except Exception as e:  # a failure of this request alone: the loop and the other requests go on
+                logger.exception("adding a request failed")
+                self._drop(submission)
+                self._guarded(None, submission.sink.fail, f"internal error: {e!r}", False)
+                continue
             submission.num_pending -= 1
             submission.running[request_id] = row
             self._owner[request_id] = submission
@@ -189,6 +198,13 @@ class EngineLoop:
         if submission is None:
             return
         row = submission.running[output.request_id]
+        if output.error is not None:  # this row failed alone: the submission ends with its error
+            self._release(output.request_id)
+            self._drop(submission)
+            prefix = "" if len(submission.params) == 1 else f"batch row {row}: "
+            message = prefix + (f"{TRITON_GUIDE_LABEL}: " if output.error.client_error else "") + output.error.message
+            self._guarded(None, submission.sink.fail, message, output.error.client_error)
+            return
         if output.finished:
             self._release(output.request_id)
             if submission.done:

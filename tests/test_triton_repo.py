@@ -436,3 +436,37 @@ def test_batch_scheduler_policy(three_block_engine, references, policy):
         assert engine.num_preemptions == 0 and second.updates[0][0] > first_finished
     else:  # both start at once; when the blocks run out, the newer one is preempted and recomputed
         assert engine.num_preemptions > 0 and second.updates[0][0] < first_finished
+
+
+def test_a_row_that_fails_alone_ends_its_submission_with_the_error(tiny_code_engine, references):
+    """A constraint that allows "def" and then nothing fails its row once running: that submission gets one
+    `fail` naming the input (client_error), the loop goes on and a submission beside it is answered whole."""
+    from kiln.runtime import GuidedDecoding
+    from kiln.runtime.engine_factory import create_engine
+
+    class FailSink(RecordingSink):
+        failed = None
+
+        def fail(self, message, client_error) -> None:
+            self.failed = (message, client_error)
+            self.done.set()
+
+    engine = create_engine(tiny_code_engine)
+    loop = EngineLoop(engine)
+    dead_end = SamplingParams(max_tokens=8, temperature=0,
+                              guided_decoding=GuidedDecoding(grammar='root ::= "def" x\nx ::= x'))
+    healthy, failing = RecordingSink(), FailSink()
+    loop.submit([PROMPTS[0]], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)], healthy)
+    loop.submit([PROMPTS[0], PROMPTS[0]], [SamplingParams(max_tokens=8, temperature=0), dead_end], failing)
+    try:
+        assert healthy.done.wait(60) and failing.done.wait(60)
+        assert loop.is_running
+    finally:
+        loop.stop()
+        engine.shutdown()
+    message, client_error = failing.failed
+    assert client_error and message.startswith("batch row 1: input 'guided_decoding_guide'") and \
+        "allows no token" in message
+    assert healthy.updates[-1][1].token_ids == references[PROMPTS[0]].token_ids
+    stats = engine.kv_cache_stats()
+    assert stats["free_blocks"] == stats["total_blocks"]

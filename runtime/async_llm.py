@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ from .engine import Prompt
 from .engine_factory import create_engine
 from .guided_decoding import GuidedDecoding
 from .outputs import RequestOutput
+from .request_failure import EngineDeadError, RequestFailed
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln.runtime")
@@ -33,6 +35,9 @@ class AsyncLLM:
         # request id -> (its event loop, its output queue); touched only by the engine thread
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        # Orders _send against the engine thread's exit: a command is either taken by the thread or failed
+        # by it on the way out, never left in the queue with its caller waiting.
+        self._send_lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
@@ -45,8 +50,14 @@ class AsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs for one request as it advances (cumulative, or what is new with
         SamplingParams.output_kind "delta"); the last one has `finished` set.
-        Invalid input raises ValueError (naming the field) before anything is queued."""
+        Invalid input raises ValueError (naming the field) before anything is queued. A request that fails
+        alone (runtime/request_failure.py: its constraint leads nowhere, ...) raises RequestFailed, its
+        `failure.client_error` saying whose fault it was; an engine that has stopped raises EngineDeadError."""
         loop = asyncio.get_running_loop()
+        if isinstance(prompt, str):
+            # Tokenized here, in the loop's default executor: a long text takes seconds, which on the engine
+            # thread would stall every running request (the tokenizer releases the GIL, so the loop runs on).
+            prompt = await loop.run_in_executor(None, self.engine.tokenize, prompt)
         guided = sampling_params.guided_decoding if isinstance(sampling_params, SamplingParams) else None
         if guided is not None:
             # Compile here, off the engine thread, so a slow constraint does not stall every running request;
@@ -65,14 +76,18 @@ class AsyncLLM:
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has stopped: nothing left to abort
                     raise item
                 finished = item.finished
+                if item.error is not None:  # ended alone by a failure of its own; the engine goes on
+                    raise RequestFailed(item.request_id, item.error)
                 yield item
                 if finished:
                     return
         finally:
             if not finished:
-                self._send(("abort", request_id, None))
+                with contextlib.suppress(EngineDeadError):  # stopped meanwhile: nothing left to abort
+                    self._send(("abort", request_id, None))
 
     def _compile(self, guided: GuidedDecoding) -> None:
         self.engine.guided_masker().compiler.compile(guided)
@@ -114,14 +129,22 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts what is running and stops the engine thread."""
         if self._thread.is_alive():
-            self._send(("stop",))
+            with contextlib.suppress(EngineDeadError):  # it is stopping by itself
+                self._send(("stop",))
             self._thread.join(timeout)
 
     # ---- engine thread -------------------------------------------------------------------------
     def _send(self, command: tuple) -> None:
-        if self._stopped.is_set():
-            raise RuntimeError(f"the engine has stopped{': ' + repr(self._error) if self._error else ''}")
-        self._commands.put(command)
+        with self._send_lock:
+            if self._stopped.is_set():
+                raise EngineDeadError(self._stop_reason())
+            self._commands.put(command)
+
+    def _stop_reason(self) -> str:
+        fault = self.engine.fault
+        if fault is not None:
+            return f"the engine has stopped: {fault}"
+        return f"the engine has stopped{': ' + repr(self._error) if self._error else ''}"
 
     def _run(self) -> None:
         try:
@@ -143,12 +166,28 @@ class AsyncLLM:
         except BaseException as e:  # a crashed engine must not leave coroutines waiting forever
             logger.exception("engine thread failed")
             self._error = e
-            for loop, sink in self._sinks.values():
-                loop.call_soon_threadsafe(sink.put_nowait, RuntimeError(f"engine failed: {e!r}"))
-            self._sinks.clear()
         finally:
-            self._stopped.set()
+            with self._send_lock:
+                self._stopped.set()
+            self._fail_everyone()
             self.engine.shutdown()
+
+    def _fail_everyone(self) -> None:
+        """The engine thread is ending: every request still running, and every command still queued, is told
+        at once (EngineDeadError), so no caller waits for an engine that will never answer."""
+        reason = self._stop_reason()
+        for loop, sink in self._sinks.values():
+            with contextlib.suppress(RuntimeError):  # that caller's loop is closed
+                loop.call_soon_threadsafe(sink.put_nowait, EngineDeadError(reason))
+        self._sinks.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            done = command[-1] if command[0] in ("add", "abort", "call") else None
+            if isinstance(done, concurrent.futures.Future) and done.set_running_or_notify_cancel():
+                done.set_exception(EngineDeadError(reason))
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
@@ -158,7 +197,7 @@ class AsyncLLM:
                 return
             try:
                 request_id = self.engine.add_request(prompt, params, request_id)
-            except (ValueError, TypeError) as e:
+            except Exception as e:  # invalid input (ValueError, TypeError) or a failure of this request alone
                 added.set_exception(e)
                 return
             self._sinks[request_id] = (loop, sink)

@@ -27,6 +27,9 @@ class ServeConfig:
     max_n: int = 128  # OpenAI `n`: choices per prompt
     max_sequences_per_request: int = 1024  # engine requests: prompts × n (OpenAI), batch rows (Triton)
     max_prompt_tokens_per_request: int = 2**20  # prompt tokens, each prompt counted once
+    # Characters of one text prompt (chat: all messages' content), checked before it is tokenized or templated.
+    # None: the larger of 1,000,000 and 8 × the engine's max_seq_len (limits.default_max_prompt_chars).
+    max_prompt_chars: int | None = None
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests get this long, then are aborted
     # Abuse limits (see README "Serving: limits"): admission, connections, time.
     max_queued_requests: int = 1024  # admitted but not yet running; more get 429 / RESOURCE_EXHAUSTED
@@ -77,7 +80,10 @@ class ServeConfig:
         if self.tool_call_parser not in (None, "llama3_json", "hermes"):
             raise ValueError(f"ServeConfig.tool_call_parser={self.tool_call_parser!r} is invalid: must be "
                              "llama3_json or hermes")
-        for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request", "max_prompt_tokens_per_request"):
+        for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request", "max_prompt_tokens_per_request",
+                     "max_prompt_chars"):
             value = getattr(self, name)
+            if name == "max_prompt_chars" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServeConfig.{name}={value!r} is invalid: must be a positive integer")

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from kiln.runtime.async_llm import AsyncLLM
 from kiln.runtime.engine import Prompt
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.request_failure import EngineDeadError, RequestFailed
 from kiln.runtime.sampling_params import SamplingParams
 
-from .errors import Overloaded, Unavailable
+from .errors import InternalError, InvalidRequest, Overloaded, RequestError, Unavailable
 from .guided_request import engine_refusal
 from .metrics import ServeMetrics
+from .prompt_work import PromptWorker
 from .request_progress import CumulativeOutput, RequestProgress
 
 
@@ -52,6 +54,8 @@ class EngineService:
         # Requests admitted but not yet running in the engine, at most (None: no limit).
         self.max_queued_requests = max_queued_requests
         self.metrics = ServeMetrics(llm.kv_cache_stats, llm.speculation_stats)
+        # Tokenizing, chat templating and decoding large texts: never on the event loop or the engine thread.
+        self.prompt_work = PromptWorker()
         self.accepting = True
         self._ids = itertools.count()
         self._inflight: set[str] = set()
@@ -88,6 +92,8 @@ class EngineService:
         admitted are never dropped to make room."""
         if not self.accepting:
             raise Unavailable("the server is shutting down and takes no new requests")
+        if not self.llm.is_running:
+            raise Unavailable("the engine has stopped and takes no new requests; the server is exiting")
         limit = self.max_queued_requests
         if limit is not None and self.num_queued >= limit:
             self.metrics.requests.labels("overloaded").inc()
@@ -97,12 +103,45 @@ class EngineService:
     def new_request_id(self, prefix: str = "kiln") -> str:
         return f"{prefix}-{next(self._ids)}"
 
+    async def run_prompt_work(self, fn, *args, size: int = 0):
+        """`fn(*args)` on the prompt worker's threads (prompt_work.py); `size`: the characters of text it works
+        on (after a large one, freed memory goes back to the operating system)."""
+        return await self.prompt_work.run(fn, *args, size=size)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The engine's `tokenize` (a ValueError names what is wrong), for the prompt worker, without its Python
+        loop over the ids: that holds the GIL (half a second a million ids), which stalls the event loop. Ids are
+        recognized by C-level builtins instead, and a text's ids beyond max_seq_len not at all: that prompt is
+        refused for its length before it reaches the engine. Anything else gets the engine's own checks."""
+        engine = self.llm.engine
+        ids = prompt
+        if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
+            ids = engine.tokenizer.encode(prompt)
+            if len(ids) > self.max_seq_len:
+                return list(ids)
+        if isinstance(ids, list) and ids and set(map(type, ids)) == {int} \
+                and 0 <= min(ids) and max(ids) < engine.model_config.vocab_size:
+            return ids
+        return engine.tokenize(ids)
+
+    async def prompt_ids(self, prompt: Prompt, params: SamplingParams) -> Prompt:
+        """A text prompt's token ids, tokenized on the prompt worker; a prompt of token ids is checked to fit
+        (max_seq_len, the KV cache) here too, so the engine thread never tokenizes a request nor walks a prompt
+        it would refuse. Raises ValueError naming the problem, as the engine would."""
+        if isinstance(prompt, str):
+            prompt = await self.run_prompt_work(self.tokenize, prompt, size=len(prompt))
+        if isinstance(prompt, list):
+            self.llm.engine.check_fits(len(prompt), params)
+        return prompt
+
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,
                        cut_off_is_error: bool = False, guided_field: str | None = None) -> AsyncIterator[Delta]:
         """Yields a Delta per engine update; the last has `finished`. Invalid input raises InvalidRequest
         (before anything is yielded); a server that is shutting down raises Unavailable, and a full queue
         Overloaded. With `cut_off_is_error` (Triton's protocols, which have no finish reason), a request
-        that shutdown aborted raises Unavailable instead of ending as a success with partial text.
+        that shutdown aborted raises Unavailable instead of ending as a success with partial text. A request
+        that fails alone raises InvalidRequest (its constraint led nowhere) or InternalError, at any point; an
+        engine that has stopped raises Unavailable for every request at once.
         `guided_field`: the request field that `params.guided_decoding` came from, which the error names when
         the engine cannot compile the constraint."""
         self.check_admission()
@@ -111,7 +150,12 @@ class EngineService:
         start = last = time.perf_counter()
         # The engine hands over what each step added; the progress adds it up for whoever reads `output`.
         params = params if params.output_kind == "delta" else dataclasses.replace(params, output_kind="delta")
-        stream = self.llm.generate(prompt, params, request_id=request_id)
+        try:
+            prompt = await self.prompt_ids(prompt, params)
+        except ValueError as e:
+            metrics.requests.labels("rejected").inc()
+            raise engine_refusal(e, guided_field) from None
+        stream = _engine_errors(self.llm.generate(prompt, params, request_id=request_id), guided_field)
         self._inflight.add(request_id)
         self._idle.clear()
         outcome = "error"
@@ -119,6 +163,8 @@ class EngineService:
         try:
             try:
                 out = await anext(stream)
+            except RequestError:
+                raise
             except ValueError as e:
                 outcome = "rejected"
                 raise engine_refusal(e, guided_field) from None
@@ -186,3 +232,24 @@ class EngineService:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             return len(left)
+
+
+async def _engine_errors(stream: AsyncIterator[RequestOutput],
+                         guided_field: str | None) -> AsyncIterator[RequestOutput]:
+    """The engine's updates, its failures turned into what the front ends answer: a request that failed alone
+    is a 400 (its own input: the constraint from `guided_field`) or a 500 for it only, and a stopped engine a
+    503 for everyone."""
+    try:
+        async for out in stream:
+            yield out
+    except RequestFailed as e:
+        failure = e.failure
+        if failure.client_error:
+            where = f"{guided_field}: " if guided_field else ""
+            raise InvalidRequest(where + failure.message, guided_field) from None
+        raise InternalError(failure.message) from None
+    except EngineDeadError as e:
+        raise Unavailable(f"the engine has stopped and can finish no request ({e}); the server is exiting") \
+            from None
+    finally:
+        await stream.aclose()

@@ -33,6 +33,7 @@ from .triton_batch import cancel_and_wait, complete_all
 from .triton_request import (
     TritonRequest,
     check_datatype,
+    check_prompt_sizes,
     check_requested_outputs,
     make_outputs,
     numpy_dtype,
@@ -177,7 +178,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # ---- inference --------------------------------------------------------------------------------
     def _parse(self, request: pb.ModelInferRequest) -> tuple[list[TritonRequest], list[str]]:
         self._check_model(request.model_name, request.model_version)
-        rows = parse_request(decode_inputs(request), RequestLimits.from_config(self.config))
+        limits = RequestLimits.from_config(self.config)
+        rows = parse_request(decode_inputs(request), limits)
+        check_prompt_sizes(rows, limits.prompt_chars_limit(self.service.max_seq_len))
         if len(rows) > self.service.max_batch_size:
             raise InvalidRequest(f"batch size {len(rows)} is more than the model's max_batch_size "
                                  f"{self.service.max_batch_size}", "text_input")

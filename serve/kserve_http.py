@@ -32,7 +32,13 @@ from .kserve_tensors import (
 )
 from .limits import RequestLimits
 from .triton_batch import complete, complete_all
-from .triton_request import TritonRequest, check_requested_outputs, make_outputs, parse_request
+from .triton_request import (
+    TritonRequest,
+    check_prompt_sizes,
+    check_requested_outputs,
+    make_outputs,
+    parse_request,
+)
 from .triton_schema import INPUT_SPECS, MODEL_VERSION, model_config, model_config_json, model_metadata
 
 logger = logging.getLogger("kiln.serve")
@@ -103,6 +109,7 @@ async def _infer(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     limits = RequestLimits.from_config(request.app[CONFIG])
     requests = parse_request(input_arrays(header.get("inputs"), binary), limits)
+    check_prompt_sizes(requests, limits.prompt_chars_limit(service.max_seq_len))
     if len(requests) > service.max_batch_size:
         raise InvalidRequest(f"batch size {len(requests)} is larger than the model's max_batch_size "
                              f"{service.max_batch_size}", "text_input")
@@ -165,6 +172,14 @@ def _generate_request(body: dict) -> TritonRequest:
     return parse_request(arrays)[0]
 
 
+def _checked_generate_request(request: web.Request, body: dict) -> TritonRequest:
+    """The generate extension's request, its text_input within --max-prompt-chars."""
+    generate_request = _generate_request(body)
+    limits = RequestLimits.from_config(request.app[CONFIG])
+    check_prompt_sizes([generate_request], limits.prompt_chars_limit(request.app[SERVICE].max_seq_len))
+    return generate_request
+
+
 def _generate_body(model: str, request: TritonRequest, text: str, logprobs: list[float],
                    cum_log_prob: float) -> dict:
     body = {"model_name": model, "model_version": MODEL_VERSION, "text_output": text}
@@ -175,7 +190,7 @@ def _generate_body(model: str, request: TritonRequest, text: str, logprobs: list
 
 async def _generate(request: web.Request) -> web.Response:
     name = _model_name(request)
-    generate_request = _generate_request(await read_json(request))
+    generate_request = _checked_generate_request(request, await read_json(request))
     text, logprobs = await complete(request.app[SERVICE], generate_request)
     return web.json_response(_generate_body(name, generate_request, text, logprobs, sum(logprobs)))
 
@@ -184,7 +199,7 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events, one per new piece of text (never the prompt); the last one when finished. An error
     before the first piece is an ordinary error response; after it, an event `{"error": ...}`."""
     name = _model_name(request)
-    generate_request = _generate_request(await read_json(request))
+    generate_request = _checked_generate_request(request, await read_json(request))
     service = request.app[SERVICE]
     stream = service.generate(generate_request.prompt, generate_request.params, cut_off_is_error=True,
                               guided_field=TRITON_GUIDE_LABEL)

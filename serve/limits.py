@@ -2,8 +2,9 @@
 
 One request fans out into engine requests: on /v1/completions, prompts × n of them; in a Triton batch, one per row.
 Without a bound, one 8 MiB body of a million tiny prompts becomes a million engine requests (and tens of GB).
-Counts are checked before anything is tokenized, and prompt tokens are summed as the prompts are tokenized,
-stopping at the limit. Every refusal is a 400 (InvalidRequest, gRPC INVALID_ARGUMENT) naming the limit, the
+Counts are checked before anything is tokenized, and so is each text prompt's size in characters (tokenizing a
+7.8 MB text took 70 s and 4.9 GB); prompt tokens are summed as the prompts are tokenized (prompt_work.py runs
+that off the event loop), stopping at the limit. Every refusal is a 400 (InvalidRequest, gRPC INVALID_ARGUMENT) naming the limit, the
 request's value and the flag that sets it.
 """
 
@@ -20,6 +21,26 @@ from .errors import InvalidRequest
 if TYPE_CHECKING:
     from kiln.runtime.engine import Prompt
 
+# The default of --max-prompt-chars: a prompt that fits the engine is never refused for its size unless it
+# averages more than DEFAULT_CHARS_PER_TOKEN characters a token (English prose takes about 4, code about 3, and
+# every token at least one byte of text), and never below MIN_DEFAULT_PROMPT_CHARS, which tokenizes in about a
+# second (the 8 MiB body limit alone allows 8 million characters: some 15 s and GBs of tokenizer memory).
+MIN_DEFAULT_PROMPT_CHARS = 1_000_000
+DEFAULT_CHARS_PER_TOKEN = 8
+
+
+def default_max_prompt_chars(max_seq_len: int) -> int:
+    """The character cap of a prompt when none is configured: see DEFAULT_CHARS_PER_TOKEN."""
+    return max(MIN_DEFAULT_PROMPT_CHARS, DEFAULT_CHARS_PER_TOKEN * max_seq_len)
+
+
+def check_prompt_chars(what: str, size: int, limit: int, field: str, setting: str = "--max-prompt-chars") -> None:
+    """Refuses a prompt of `size` characters over `limit` before it is tokenized; `what` names it in the message
+    ("prompt 2", "input 'text_input'"), `setting` is what raises the limit."""
+    if size > limit:
+        raise InvalidRequest(f"{what} has {size} characters; this server takes at most {limit} per prompt, "
+                             f"checked before tokenizing ({setting})", field)
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -29,12 +50,22 @@ class RequestLimits:
     max_n: int  # choices per prompt (OpenAI `n`)
     max_sequences: int  # engine requests one request starts: prompts × n, or Triton batch rows
     max_prompt_tokens: int  # prompt tokens of one request, each prompt counted once (as usage counts them)
+    max_prompt_chars: int | None = None  # characters of one text prompt (None: default_max_prompt_chars)
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RequestLimits:
         return cls(max_prompts=config.max_prompts_per_request, max_n=config.max_n,
                    max_sequences=config.max_sequences_per_request,
-                   max_prompt_tokens=config.max_prompt_tokens_per_request)
+                   max_prompt_tokens=config.max_prompt_tokens_per_request,
+                   max_prompt_chars=config.max_prompt_chars)
+
+    def prompt_chars_limit(self, max_seq_len: int) -> int:
+        """The character cap of one prompt for an engine of `max_seq_len`."""
+        return self.max_prompt_chars if self.max_prompt_chars is not None else default_max_prompt_chars(max_seq_len)
+
+    def check_prompt_chars(self, what: str, size: int, field: str, max_seq_len: int) -> None:
+        """A text prompt (chat: the messages' content together) of `size` characters, before it is tokenized."""
+        check_prompt_chars(what, size, self.prompt_chars_limit(max_seq_len), field)
 
     def check_prompts(self, count: int) -> None:
         if count > self.max_prompts:

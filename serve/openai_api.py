@@ -138,6 +138,8 @@ async def _answer_stream(request: web.Request, job: Job) -> web.StreamResponse:
             error = {"message": e.message, "type": e.openai_type, "param": e.param, "code": e.status}
         with contextlib.suppress(ConnectionResetError):
             await send({"error": error})
+            await send("[DONE]")  # as vLLM ends a failed stream: clients stop reading here
+            await response.write_eof()
     return response
 
 
@@ -165,7 +167,7 @@ def add_routes(app: web.Application) -> None:
         service = request.app[SERVICE]
         body = await read_json(request)
         check_model(body, service)
-        job = completion_job(service, body, RequestLimits.from_config(request.app[CONFIG]))
+        job = await completion_job(service, body, RequestLimits.from_config(request.app[CONFIG]))
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -173,8 +175,8 @@ def add_routes(app: web.Application) -> None:
         body = await read_json(request)
         check_model(body, service)
         config = request.app[CONFIG]
-        job = chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
-                       tool_call_parser(config, service))
+        job = await chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
+                             tool_call_parser(config, service))
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     app.router.add_get("/v1/models", list_models)

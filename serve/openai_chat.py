@@ -60,10 +60,18 @@ def chat_messages(messages) -> list[dict]:
     return checked
 
 
+def check_messages_size(service: EngineService, limits: RequestLimits, messages: list[dict]) -> int:
+    """The checked messages' content, all together, against --max-prompt-chars before the template renders it
+    -> its size in characters."""
+    size = sum(len(message["content"]) for message in messages)
+    limits.check_prompt_chars("the messages' content", size, "messages", service.max_seq_len)
+    return size
+
+
 def chat_prompt(service: EngineService, chat_template: str | None, messages: list[dict],
                 add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
     """Renders the chat template (with `tools`, the request's tool objects, when given) and tokenizes it, adding
-    the BOS token only if the template did not."""
+    the BOS token only if the template did not. Slow for long messages: run it on the service's prompt worker."""
     tokenizer = service.tokenizer
     if tokenizer is None:
         raise InvalidRequest("this engine has no tokenizer, so it cannot serve chat; use /v1/completions with "
@@ -103,8 +111,10 @@ def _constraint(body: dict, tool_choice: ToolChoice, parser: str):
     return PARSERS[parser].constraint(tool_choice.tools), "tools"
 
 
-def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits,
-             tool_call_parser: str = "llama3_json") -> Job:
+async def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits,
+                   tool_call_parser: str = "llama3_json") -> Job:
+    """Checks the request; the template is rendered and tokenized on the service's prompt worker, never on the
+    event loop, once the messages' size is within --max-prompt-chars."""
     n, stream, include_usage = common.n_and_stream(body, limits)
     limits.check_sequences(1, n)
     check_values(body)
@@ -112,9 +122,14 @@ def chat_job(service: EngineService, body: dict, chat_template: str | None, limi
     tools = check_tools(body.get("tools"))
     tool_choice = check_tool_choice(body.get("tool_choice"), tools)
     guided, guided_field = _constraint(body, tool_choice, tool_call_parser)
-    count_tokens = limits.prompt_tokens(service.llm.engine.tokenize, "messages")
-    token_ids = count_tokens(chat_prompt(service, chat_template, chat_messages(body.get("messages")),
-                                         tools=[t.spec for t in tools]))
+    count_tokens = limits.prompt_tokens(service.tokenize, "messages")
+    messages = chat_messages(body.get("messages"))
+    size = check_messages_size(service, limits, messages)
+
+    def render() -> list[int]:
+        return count_tokens(chat_prompt(service, chat_template, messages, tools=[t.spec for t in tools]))
+
+    token_ids = await service.run_prompt_work(render, size=size)
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = common.get_field(body, limit_field, None, int, "an integer >= 1")
     if max_tokens is None:

@@ -71,7 +71,9 @@ def _completion_max_tokens(body: dict, echo: bool) -> int:
     return max_tokens
 
 
-def completion_job(service: EngineService, body: dict, limits: RequestLimits) -> Job:
+async def completion_job(service: EngineService, body: dict, limits: RequestLimits) -> Job:
+    """Checks the request and tokenizes its prompts on the service's prompt worker (never on the event loop),
+    after checking each text prompt's size against --max-prompt-chars."""
     n, stream, include_usage = n_and_stream(body, limits)
     count = prompt_count(body.get("prompt"))
     limits.check_prompts(count)
@@ -79,6 +81,10 @@ def completion_job(service: EngineService, body: dict, limits: RequestLimits) ->
     check_values(body)
     check_fields(body, _COMPLETION_FIELDS, n)
     prompts = _completion_prompts(body.get("prompt"))
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            limits.check_prompt_chars(f"prompt {i}" if len(prompts) > 1 else "prompt", len(prompt), "prompt",
+                                      service.max_seq_len)
     k = get_field(body, "logprobs", None, int, f"an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
     if k is not None and not 0 <= k <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequest(f"logprobs={k} is invalid: must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]",
@@ -94,15 +100,25 @@ def completion_job(service: EngineService, body: dict, limits: RequestLimits) ->
                              prompt_top_logprobs=k if echo_logprobs else 0, guided_decoding=guided)
     check_max_tokens(service, params.max_tokens, "max_tokens")
     tokenizer = service.tokenizer
-    tokenize = limits.prompt_tokens(service.llm.engine.tokenize, "prompt")
+    tokenize = limits.prompt_tokens(service.tokenize, "prompt")
+
+    def tokenize_all() -> list[tuple[list[int], str]]:
+        """On the prompt worker: each prompt's token ids and echoed text, in order (the token limit counts them
+        as they come)."""
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            token_ids = tokenize(prompt)
+            if max_tokens == 0 and len(token_ids) >= service.max_seq_len:
+                raise InvalidRequest(f"prompt {i} has {len(token_ids)} tokens; with max_tokens=0 the engine still "
+                                     f"computes one token after it, so at most {service.max_seq_len - 1} fit in "
+                                     f"max_seq_len {service.max_seq_len}", "prompt")
+            prepared.append((token_ids, "" if not echo else prompt if isinstance(prompt, str)
+                             else decode(tokenizer, prompt)))
+        return prepared
+
+    prepared = await service.run_prompt_work(tokenize_all, size=sum(len(prompt) for prompt in prompts))
     choices = []
-    for i, prompt in enumerate(prompts):
-        token_ids = tokenize(prompt)
-        if max_tokens == 0 and len(token_ids) >= service.max_seq_len:
-            raise InvalidRequest(f"prompt {i} has {len(token_ids)} tokens; with max_tokens=0 the engine still "
-                                 f"computes one token after it, so at most {service.max_seq_len - 1} fit in "
-                                 f"max_seq_len {service.max_seq_len}", "prompt")
-        echoed = "" if not echo else prompt if isinstance(prompt, str) else decode(tokenizer, prompt)
+    for i, (token_ids, echoed) in enumerate(prepared):
         for j, choice_params in enumerate(seeded_choices(params, n, names)):
             choices.append(Choice(i * n + j, token_ids, choice_params, j == 0, echoed, max_tokens == 0, keep_stop))
     builders: dict[int, CompletionLogprobs] = {}  # per choice, while it streams

@@ -101,14 +101,17 @@ class KilnServer:
         await site.start()
         return runner.addresses[0][1]
 
-    async def stop(self) -> None:
-        """Refuses new requests, gives running ones `shutdown_timeout_s` to finish, aborts the rest, closes."""
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Refuses new requests, gives running ones `drain_timeout_s` (default: --shutdown-timeout) to finish,
+        aborts the rest, closes."""
+        timeout = self.config.shutdown_timeout_s if drain_timeout_s is None else drain_timeout_s
         if self.service is not None:
-            aborted = await self.service.drain(self.config.shutdown_timeout_s)
+            aborted = await self.service.drain(timeout)
             if aborted:
-                logger.warning("aborted %d request(s) still running after %.0fs", aborted,
-                               self.config.shutdown_timeout_s)
+                logger.warning("aborted %d request(s) still running after %.0fs", aborted, timeout)
         await self._close_listeners()
+        if self.service is not None:
+            self.service.prompt_work.shutdown()
         if self._llm is not None:
             await asyncio.to_thread(self._llm.shutdown)
 
@@ -136,8 +139,12 @@ async def serve(config: ServeConfig) -> None:
     signalled.cancel()
     if failed.done():
         # Health has been unready since the engine stopped; leave, so that a supervisor restarts the server.
+        # Every running request has already been failed (503): a dead engine finishes nothing, so no drain.
         print(f"kiln serve: the engine failed ({failed.result()}); exiting", flush=True)
-        await server.stop()
+        watchdog = threading.Timer(SHUTDOWN_GRACE_S, _exit_now, ("the shutdown deadline",))
+        watchdog.daemon = True
+        watchdog.start()
+        await server.stop(drain_timeout_s=0)
         raise SystemExit(1)
     failed.cancel()
     print(f"kiln serve: stopping (running requests get {config.shutdown_timeout_s:g} s; a second signal exits "

@@ -52,12 +52,16 @@ async def complete_all(service: EngineService, requests: list[TritonRequest],
 
     prompts: list[Prompt] = [r.prompt for r in requests]
     if limits is not None:
-        tokenize = limits.prompt_tokens(service.llm.engine.tokenize, "text_input")
-        for i, request in enumerate(requests):
-            try:
-                prompts[i] = tokenize(request.prompt)
-            except RequestError as e:
-                raise in_row(i, e) from None
+        tokenize = limits.prompt_tokens(service.tokenize, "text_input")
+
+        def tokenize_rows() -> None:  # on the prompt worker, never on the event loop
+            for i, request in enumerate(requests):
+                try:
+                    prompts[i] = tokenize(request.prompt)
+                except RequestError as e:
+                    raise in_row(i, e) from None
+
+        await service.run_prompt_work(tokenize_rows, size=sum(len(r.prompt) for r in requests))
 
     async def row(i: int, request: TritonRequest) -> tuple[str, list[float]]:
         try:

@@ -56,9 +56,17 @@ try:
     from kiln.engine_format import EngineError, load_engine_spec
     from kiln.runtime.outputs import RequestOutput
     from kiln.serve.errors import InvalidRequest
+    from kiln.serve.limits import default_max_prompt_chars
+    from kiln.serve.prompt_work import LARGE_TEXT_CHARS, release_memory
     from kiln.serve.triton_engine_loop import EngineLoop
     from kiln.serve.triton_repo import BackendParameters
-    from kiln.serve.triton_request import TritonRequest, check_requested_outputs, make_outputs, parse_request
+    from kiln.serve.triton_request import (
+        TritonRequest,
+        check_prompt_sizes,
+        check_requested_outputs,
+        make_outputs,
+        parse_request,
+    )
     from kiln.serve.triton_schema import INPUTS, OUTPUT_SPECS
 except ImportError as e:
     raise ImportError(
@@ -112,6 +120,8 @@ class TritonPythonModel:
         check_environment(config, params.engine_dir)
         engine = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
         self.loop = EngineLoop(engine, params.batch_scheduler_policy)
+        # A text_input over this is refused before it is tokenized (kiln serve's --max-prompt-chars).
+        self.max_prompt_chars = params.max_prompt_chars or default_max_prompt_chars(engine.runtime.max_seq_len)
 
     def execute(self, requests: list) -> None:
         """Submits every request to the engine thread and returns at once (in-flight batching: they join
@@ -125,16 +135,32 @@ class TritonPythonModel:
                     if tensor is not None:
                         inputs[spec.name] = tensor.as_numpy()
                 rows = parse_request(inputs)
+                check_prompt_sizes(rows, self.max_prompt_chars, "config.pbtxt parameter max_prompt_chars")
                 names = check_requested_outputs(_named_outputs(request), rows)
                 if len(rows) > 1 and any(row.stream for row in rows):
                     raise InvalidRequest("stream=true takes one prompt per request (batch size 1)", "stream")
                 sink = _StreamSink(sender, names) if rows[0].stream else _WholeSink(sender, rows, names)
-                self.loop.submit([row.prompt for row in rows], [row.params for row in rows], sink)
+                self.loop.submit(self._token_ids(rows), [row.params for row in rows], sink)
             except InvalidRequest as e:
                 sender.send(error_response(e.message, "INVALID_ARG"), flags=FINAL)
             except RuntimeError as e:  # the engine thread has stopped
                 sender.send(error_response(str(e), "UNAVAILABLE"), flags=FINAL)
         return None
+
+    def _token_ids(self, rows: list[TritonRequest]) -> list[list[int]]:
+        """Every row's prompt tokenized (and checked to fit) here, on Triton's thread: on the engine thread a long
+        text would stall every running request. Memory the tokenizer freed goes back to the system after a large
+        one."""
+        token_ids = []
+        for i, row in enumerate(rows):
+            try:
+                token_ids.append(self.loop.engine.tokenize(row.prompt))
+                self.loop.engine.check_fits(len(token_ids[-1]), row.params)  # nor walks a prompt it would refuse
+            except ValueError as e:
+                raise InvalidRequest(str(e) if len(rows) == 1 else f"batch row {i}: {e}", "text_input") from None
+        if sum(len(row.prompt) for row in rows) >= LARGE_TEXT_CHARS:
+            release_memory()
+        return token_ids
 
     def finalize(self) -> None:
         """Aborts every request (each gets an error response with the final flag) and stops the engine thread."""
@@ -197,6 +223,9 @@ class _Sink:
             self.sender.send(flags=FINAL)
         else:
             self.sender.send(error_response(message, "UNAVAILABLE"), flags=FINAL)
+
+    def fail(self, message: str, client_error: bool) -> None:
+        self.sender.send(error_response(message, "INVALID_ARG" if client_error else "INTERNAL"), flags=FINAL)
 
 
 class _StreamSink(_Sink):

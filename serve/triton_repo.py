@@ -42,12 +42,15 @@ class BackendParameters:
     `kv_cache_free_gpu_mem_fraction` is the share of the memory left free after the weights and one step's
     activations that the KV cache takes (the runtime's kv_cache_memory_fraction);
     `batch_scheduler_policy` says when a request may enter the running batch (see triton_engine_loop).
+    `max_prompt_chars` is kiln's (kiln serve's --max-prompt-chars): the characters one text_input may hold,
+    checked before it is tokenized (absent: serve/limits.py's default_max_prompt_chars for the engine).
     """
 
     engine_dir: str  # absolute path
     batch_scheduler_policy: str = "max_utilization"
     kv_cache_free_gpu_mem_fraction: float = 0.9
     enable_kv_cache_reuse: bool = True
+    max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.engine_dir).is_absolute():
@@ -60,11 +63,17 @@ class BackendParameters:
             raise ValueError(f"kv_cache_free_gpu_mem_fraction={fraction!r} must be a number in (0, 1]")
         if not isinstance(self.enable_kv_cache_reuse, bool):
             raise ValueError(f"enable_kv_cache_reuse={self.enable_kv_cache_reuse!r} must be true or false")
+        chars = self.max_prompt_chars
+        if chars is not None and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
+            raise ValueError(f"max_prompt_chars={chars!r} must be a positive integer")
 
     def to_strings(self) -> dict[str, str]:
-        return {"engine_dir": self.engine_dir, "batch_scheduler_policy": self.batch_scheduler_policy,
-                "kv_cache_free_gpu_mem_fraction": repr(self.kv_cache_free_gpu_mem_fraction),
-                "enable_kv_cache_reuse": str(self.enable_kv_cache_reuse).lower()}
+        strings = {"engine_dir": self.engine_dir, "batch_scheduler_policy": self.batch_scheduler_policy,
+                   "kv_cache_free_gpu_mem_fraction": repr(self.kv_cache_free_gpu_mem_fraction),
+                   "enable_kv_cache_reuse": str(self.enable_kv_cache_reuse).lower()}
+        if self.max_prompt_chars is not None:
+            strings["max_prompt_chars"] = str(self.max_prompt_chars)
+        return strings
 
     @classmethod
     def from_strings(cls, values: Mapping[str, str]) -> BackendParameters:
@@ -83,6 +92,9 @@ class BackendParameters:
         if "enable_kv_cache_reuse" in values:
             text = values["enable_kv_cache_reuse"]
             kwargs["enable_kv_cache_reuse"] = _BOOLS.get(text.strip().lower(), text)
+        if values.get("max_prompt_chars", "").strip():
+            text = values["max_prompt_chars"]
+            kwargs["max_prompt_chars"] = int(text) if text.strip().isdigit() else text
         return cls(**kwargs)
 
 

@@ -17,6 +17,7 @@ from kiln.runtime.sampling_params import SamplingParams
 
 from .errors import InvalidRequest
 from .guided_request import GUIDE_INPUT, GUIDE_TYPE_INPUT, triton_guided
+from .limits import check_prompt_chars
 from .triton_schema import DATATYPES, INPUT_SPECS, OUTPUT_SPECS
 
 if TYPE_CHECKING:
@@ -142,6 +143,14 @@ def _parse_row(row: Mapping[str, np.ndarray]) -> TritonRequest:
     return TritonRequest(prompt=prompt, params=params, stream=scalars.get("stream", False),
                          exclude_input=scalars.get("exclude_input_in_output", False),
                          return_log_probs=scalars.get("return_log_probs", False))
+
+
+def check_prompt_sizes(requests: Sequence[TritonRequest], limit: int, setting: str = "--max-prompt-chars") -> None:
+    """Every row's text_input against the character cap of one prompt, before anything is tokenized; `setting`
+    is what raises the cap (the kiln serve flag, or the Triton model's config.pbtxt parameter)."""
+    for i, request in enumerate(requests):
+        what = "input 'text_input'" if len(requests) == 1 else f"batch row {i}: input 'text_input'"
+        check_prompt_chars(what, len(request.prompt), limit, "text_input", setting)
 
 
 def check_requested_outputs(names: Sequence[str], requests: Sequence[TritonRequest]) -> list[str]:

@@ -4,6 +4,8 @@ also on the HTTP port), `POST /tokenize` and `POST /detokenize`. Bad fields are 
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 import kiln
@@ -13,7 +15,7 @@ from .engine_service import EngineService
 from .errors import InvalidRequest
 from .http_common import CONFIG, SERVICE, read_json
 from .limits import RequestLimits
-from .openai_chat import chat_messages, chat_prompt
+from .openai_chat import chat_messages, chat_prompt, check_messages_size
 from .openai_request import check_model
 from .tool_specs import check_tools
 
@@ -43,9 +45,10 @@ def _tokenizer(service: EngineService, field: str):
     return service.tokenizer
 
 
-def tokenize(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits) -> dict:
+async def tokenize(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits) -> dict:
     """vLLM's /tokenize: `{"prompt": text}` or `{"messages": [...]}` (rendered with the chat template) ->
-    `{"tokens", "count", "max_model_len"}`."""
+    `{"tokens", "count", "max_model_len"}`. The text is checked against --max-prompt-chars, then rendered and
+    tokenized on the service's prompt worker."""
     check_values(body)
     _check_fields(body, _TOKENIZE_FIELDS)
     check_model(body, service)
@@ -57,7 +60,10 @@ def tokenize(service: EngineService, body: dict, chat_template: str | None, limi
                                  "decides", "add_special_tokens")
         messages = chat_messages(body["messages"])
         tools = [tool.spec for tool in check_tools(body.get("tools"))]  # rendered as /v1/chat/completions does
-        token_ids = chat_prompt(service, chat_template, messages, _flag(body, "add_generation_prompt", True), tools)
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        size = check_messages_size(service, limits, messages)
+        token_ids = await service.run_prompt_work(chat_prompt, service, chat_template, messages,
+                                                  add_generation_prompt, tools, size=size)
         field = "messages"
     else:
         prompt = body["prompt"]
@@ -66,8 +72,10 @@ def tokenize(service: EngineService, body: dict, chat_template: str | None, limi
         for name in ("add_generation_prompt", "tools"):
             if body.get(name) is not None:
                 raise InvalidRequest(f"{name} applies to 'messages'", name)
-        token_ids = list(_tokenizer(service, "prompt").encode(prompt, add_special_tokens=_flag(
-            body, "add_special_tokens", True)))
+        limits.check_prompt_chars("prompt", len(prompt), "prompt", service.max_seq_len)
+        tokenizer, special = _tokenizer(service, "prompt"), _flag(body, "add_special_tokens", True)
+        token_ids = await service.run_prompt_work(lambda: list(tokenizer.encode(prompt, add_special_tokens=special)),
+                                                  size=len(prompt))
         field = "prompt"
     if len(token_ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"{field} has {len(token_ids)} tokens; this server takes at most "
@@ -75,8 +83,9 @@ def tokenize(service: EngineService, body: dict, chat_template: str | None, limi
     return {"tokens": token_ids, "count": len(token_ids), "max_model_len": service.max_seq_len}
 
 
-def detokenize(service: EngineService, body: dict) -> dict:
-    """vLLM's /detokenize: `{"tokens": [ids]}` -> `{"prompt": text}`."""
+async def detokenize(service: EngineService, body: dict) -> dict:
+    """vLLM's /detokenize: `{"tokens": [ids]}` -> `{"prompt": text}`; the ids (a body may hold a million) are
+    checked and decoded on the service's prompt worker."""
     check_values(body)
     _check_fields(body, _DETOKENIZE_FIELDS)
     check_model(body, service)
@@ -84,10 +93,21 @@ def detokenize(service: EngineService, body: dict) -> dict:
     vocab = service.llm.engine.model_config.vocab_size
     if not isinstance(tokens, list):
         raise InvalidRequest(f"tokens={shown(tokens)} is invalid: must be a list of token ids", "tokens")
-    for i, t in enumerate(tokens):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-            raise InvalidRequest(f"tokens[{i}]={shown(t)} is invalid: must be a token id in [0, {vocab})", "tokens")
-    return {"prompt": _tokenizer(service, "tokens").decode(tokens)}
+    tokenizer = _tokenizer(service, "tokens")
+
+    def decode() -> dict:
+        for i, t in enumerate(tokens):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequest(f"tokens[{i}]={shown(t)} is invalid: must be a token id in [0, {vocab})",
+                                     "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
+    return await service.run_prompt_work(decode, size=len(tokens))
+
+
+async def _json_response(service: EngineService, body: dict) -> web.Response:
+    """JSON written on the prompt worker: a million token ids take a while to write."""
+    return web.json_response(text=await service.run_prompt_work(json.dumps, body))
 
 
 def add_routes(app: web.Application) -> None:
@@ -104,11 +124,13 @@ def add_routes(app: web.Application) -> None:
     async def tokenize_route(request: web.Request) -> web.Response:
         config = request.app[CONFIG]
         body = await read_json(request)
-        return web.json_response(tokenize(request.app[SERVICE], body, config.chat_template,
-                                          RequestLimits.from_config(config)))
+        service = request.app[SERVICE]
+        return await _json_response(service, await tokenize(service, body, config.chat_template,
+                                                            RequestLimits.from_config(config)))
 
     async def detokenize_route(request: web.Request) -> web.Response:
-        return web.json_response(detokenize(request.app[SERVICE], await read_json(request)))
+        service = request.app[SERVICE]
+        return await _json_response(service, await detokenize(service, await read_json(request)))
 
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,3 +105,41 @@ def start_server(engine: Path, **overrides) -> ServerThread:
     config = ServeConfig(engine_dir=str(engine), model_name=MODEL_NAME, http_port=0, grpc_port=0, metrics_port=0,
                          chat_template=CHAT_TEMPLATE, shutdown_timeout_s=5.0)
     return ServerThread(replace(config, **overrides))
+
+
+def message(response: dict) -> str:
+    """The error message of an OpenAI (`{"error": {"message"}}`) or Triton (`{"error": "..."}`) error body."""
+    error = response["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
+def counters(server) -> dict[str, float]:
+    """The request outcomes and prompt-token counter from /metrics."""
+    values = {}
+    for line in urllib.request.urlopen(server.metrics_url, timeout=10).read().decode().splitlines():
+        if line.startswith(("kiln_requests_total", "kiln_prompt_tokens_total")):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def triton_inputs(module, prompt: str, guide_type: str | None, guide: str | None, max_tokens: int = 40, **scalars):
+    """Triton inputs for tritonclient's `module` (http or grpc): the prompt, max_tokens, a guide when given, and
+    `scalars` as name=(value, datatype)."""
+    values = {"text_input": ([[prompt.encode()]], "BYTES"), "max_tokens": ([[max_tokens]], "INT32"),
+              "exclude_input_in_output": ([[True]], "BOOL"), **{k: ([[v]], t) for k, (v, t) in scalars.items()}}
+    if guide_type is not None:
+        values["guided_decoding_guide_type"] = ([[guide_type.encode()]], "BYTES")
+    if guide is not None:
+        values["guided_decoding_guide"] = ([[guide.encode()]], "BYTES")
+    import numpy as np
+
+    from kiln.serve.triton_schema import DATATYPES
+
+    tensors = []
+    for name, (value, datatype) in values.items():
+        array = np.array(value, dtype=DATATYPES[datatype][1])
+        tensor = module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors

@@ -13,15 +13,12 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serve_util import MODEL_NAME, start_server
+from serve_util import MODEL_NAME, start_server, triton_inputs
 from tritonclient.utils import InferenceServerException
-
-from kiln.serve.triton_schema import DATATYPES
 
 # A chat template that shows the tools and how to call one, and renders earlier calls in the llama3_json format
 # (the bundled model is a code model without a template). transformers trims the newline after a block tag, so
@@ -334,22 +331,6 @@ def test_tool_call_parser_is_checked(tiny_code_engine):
 
 
 # ---- Triton / KServe -------------------------------------------------------------------------------------------------
-def triton_inputs(module, prompt: str, guide_type: str | None, guide: str | None, max_tokens: int = 40, **scalars):
-    values = {"text_input": ([[prompt.encode()]], "BYTES"), "max_tokens": ([[max_tokens]], "INT32"),
-              "exclude_input_in_output": ([[True]], "BOOL"), **{k: ([[v]], t) for k, (v, t) in scalars.items()}}
-    if guide_type is not None:
-        values["guided_decoding_guide_type"] = ([[guide_type.encode()]], "BYTES")
-    if guide is not None:
-        values["guided_decoding_guide"] = ([[guide.encode()]], "BYTES")
-    tensors = []
-    for name, (value, datatype) in values.items():
-        array = np.array(value, dtype=DATATYPES[datatype][1])
-        tensor = module.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
-
-
 def test_guided_inputs_are_in_the_metadata_and_config(server):
     client = httpclient.InferenceServerClient(server.http_url)
     try:

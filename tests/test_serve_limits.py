@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from serve_util import MODEL_NAME, start_server
+from serve_util import MODEL_NAME, counters, message, start_server
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -49,22 +49,6 @@ def post(server, path: str, body: bytes | dict, headers: dict | None = None) -> 
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode()  # an event stream
-
-
-def message(response: dict) -> str:
-    """The error message of an OpenAI (`{"error": {"message"}}`) or Triton (`{"error": "..."}`) error body."""
-    error = response["error"]
-    return error["message"] if isinstance(error, dict) else error
-
-
-def counters(server) -> dict[str, float]:
-    """The request outcomes and prompt-token counter from /metrics."""
-    values = {}
-    for line in urllib.request.urlopen(server.metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith(("kiln_requests_total", "kiln_prompt_tokens_total")):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
-    return values
 
 
 def wait_blocks_free(server, timeout: float = 5.0) -> dict:

@@ -128,3 +128,79 @@ def test_ranks_end_when_rank_0_is_killed(engines):
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def _stream_openai(port: int, results: dict, key: str) -> None:
+    """An OpenAI completions stream long enough to be cut off: records the events it read and how it ended."""
+    body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    events = []
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            for line in response:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip().decode())
+        results[key] = ("events", events)
+    except Exception as e:  # noqa: BLE001 - recorded for the assertion
+        results[key] = ("raised", f"{type(e).__name__}: {e}", events)
+
+
+def _triton_generate(port: int, results: dict, key: str) -> None:
+    body = json.dumps({"text_input": "hello world", "max_tokens": 200, "parameters": {"ignore_eos": True}}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/m/generate", body,
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            results[key] = ("status", response.status, response.read().decode())
+    except urllib.error.HTTPError as e:
+        results[key] = ("status", e.code, e.read().decode())
+    except Exception as e:  # noqa: BLE001
+        results[key] = ("raised", f"{type(e).__name__}: {e}")
+
+
+def test_dead_rank_fails_every_request_at_once_and_exits_promptly(engines):
+    """kill -9 of rank 1 with requests in flight: each Triton /generate client gets a 503 naming the cause (not
+    aiohttp's bare 500), each OpenAI stream ends with an error event and [DONE], and the process exits within
+    seconds, not after --shutdown-timeout."""
+    import threading
+
+    _, tp2 = engines
+    proc, port, worker = _serve(tp2)
+    results: dict = {}
+    try:
+        threads = [threading.Thread(target=_stream_openai, args=(port, results, f"openai-{i}")) for i in range(4)]
+        threads += [threading.Thread(target=_triton_generate, args=(port, results, f"triton-{i}")) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # every request admitted and running
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        answered = time.monotonic() - killed
+        assert proc.wait(30) == 1
+        exited = time.monotonic() - killed
+        output = proc.stdout.read()
+        assert "Server got itself in trouble" not in output
+        for key, result in results.items():
+            if key.startswith("triton"):
+                # Finished before the kill (a fast CPU) or refused with the cause: never a bare 500.
+                assert result[0] == "status" and result[1] in (200, 503), (key, result)
+                if result[1] == 503:
+                    assert "rank 1" in result[2] and "engine has stopped" in result[2], result
+            else:
+                assert result[0] == "events", (key, result)
+                events = result[1]
+                assert events and events[-1] == "[DONE]", (key, events[-3:])
+                if '"error"' in events[-2]:
+                    assert "engine has stopped" in events[-2], events[-2]
+        assert len(results) == 8
+        print(f"kill -9 of rank 1: every client answered after {answered:.2f} s, the server exited after "
+              f"{exited:.2f} s; answers: {sorted(str(r[1]) if r[0] == 'status' else r[1][-1] for r in results.values())}")
+        assert answered < 5, answered
+        assert exited < 8, exited
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens-per-request", type=int, default=2**20,
                    help="prompt tokens one request may hold, all its prompts together; more is a 400 "
                         "(default: 1048576)")
+    p.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="characters one text prompt may hold (on chat, all messages' content together), checked "
+                        "before it is tokenized; more is a 400 (default: the larger of 1,000,000 and 8 × the "
+                        "engine's max_seq_len)")
     p.add_argument("--api-key-file", default=None,
                    help="read the API key from this file's first line (kept out of `ps`); the environment "
                         "variable KILN_API_KEY works too")
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
                          max_prompts_per_request=args.max_prompts_per_request, max_n=args.max_n,
                          max_sequences_per_request=args.max_sequences_per_request,
                          max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
+                         max_prompt_chars=args.max_prompt_chars,
                          shutdown_timeout_s=args.shutdown_timeout, chat_template=template,
                          tool_call_parser=args.tool_call_parser,
                          max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,

@@ -1,8 +1,8 @@
 """What crosses the executor boundary: a plain-data step in, logits out.
 
 `StepInput` is what rank 0 would send to every other rank of a tensor-parallel engine (plain Python, no
-tensors, except a `TokenFeed`, which only a local executor takes); `StepResult` is what the engine samples
-from.
+tensors, except a `TokenFeed`, which only a local executor takes; `distributed/step_codec.py` gives it its
+wire form, so a field added here needs one there); `StepResult` is what the engine samples from.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Tensor-parallel engines on torch.distributed: one process per rank, NCCL between GPUs, gloo on CPUs.
 
 `launch.py` decides where the ranks come from (started here, or a `torchrun` launch that started this
-process), `group.py` joins them into process groups, `comm.py` gives the network its collectives,
-`executor.py` is rank 0's `Executor` and `worker.py` every other rank's step loop.
+process), `store.py` is where they meet and how each proves the launch's secret (KILN_TP_SECRET), `group.py`
+joins them into process groups, `comm.py` gives the network its collectives, `step_codec.py` is what crosses
+the step channel (checked JSON, never pickles), `executor.py` is rank 0's `Executor` and `worker.py` every
+other rank's step loop.
 """
 
 from .executor import TPExecutor

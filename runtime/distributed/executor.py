@@ -29,6 +29,8 @@ from .channel import PipeSender
 from .group import RankGroups
 from .launch import RankLaunch, start_local_workers
 from .rank import join, rank_runtime, start_runner
+from .step_codec import StepEncoder, encode_start
+from .store import SECRET_VARIABLE, launch_secret, new_secret
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -53,18 +55,22 @@ class TPExecutor:
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self._step_started: float | None = None
+        self._encoder = StepEncoder()  # one for every rank: each decoder follows its block-table ledger
         engine_dir = info.spec.engine_dir
+        # The ranks started here get a fresh secret; a launcher's must share one (refused across machines without).
+        secret = launch_secret(launch) if launch.external else new_secret()
         self._threads = torch.get_num_threads()  # rank 0 shares this process: restored at shutdown
         own = rank_runtime(runtime, launch, engine_dir)  # refuses too few GPUs before starting anything
         if not launch.external:
             level = logging.getLogger("kiln").getEffectiveLevel()
             self._processes = start_local_workers(
-                lambda r: (str(engine_dir), runtime, launch.for_rank(r), kv_cache_scales, level), launch)
+                lambda r: encode_start(engine_dir, runtime, launch.for_rank(r), kv_cache_scales, level), launch,
+                {SECRET_VARIABLE: secret})
         # Steps go down the started workers' stdin pipes; to a launcher's ranks over gloo.
         self._pipes = PipeSender([p.stdin for p in self._processes]) if self._processes else None
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
-            self.groups = self._join(own)
+            self.groups = self._join(own, secret)
             self._watch()
             self.runner = start_runner(info, own, self.groups, kv_cache_scales)
         except BaseException as e:
@@ -125,22 +131,23 @@ class TPExecutor:
                 process.kill()
                 process.wait()
 
-    def _send(self, message: object) -> None:
+    def _send(self, step: StepInput | None) -> None:
         """The next step (None: stop) to every other rank."""
+        data = self._encoder.encode(step)
         if self._pipes is not None:
-            self._pipes.send(message)
+            self._pipes.send(data)
         else:
-            self.groups.send_step(message)
+            self.groups.send_step(data)
 
     # ---- faults --------------------------------------------------------------------------------
-    def _join(self, runtime: RuntimeConfig) -> RankGroups:
+    def _join(self, runtime: RuntimeConfig, secret: str) -> RankGroups:
         """Meets the other ranks, in a thread so that a rank that dies while starting is noticed here
         instead of after the rendezvous times out."""
         box: dict[str, object] = {}
 
         def meet() -> None:
             try:
-                box["groups"] = join(runtime, self.launch)
+                box["groups"] = join(runtime, self.launch, secret)
             except BaseException as e:  # handed to the waiting thread
                 box["error"] = e
 

@@ -1,21 +1,30 @@
 """The process groups of one tensor-parallel engine, and the messages that cross them.
 
-Every rank meets at a TCPStore on MASTER_ADDR:MASTER_PORT (hosted by rank 0, or by torchrun's agent). The default group runs the
-network's collectives (NCCL on GPUs, gloo on CPUs); a gloo group carries rank 0's step to the others
-(plain Python objects, so they build their own tensors) and the startup agreement. The store carries
-what a failing rank has to say (`post_error`) and tells the ranks that rank 0 is still there.
+Every rank meets at the launch's store (`store.py`: on MASTER_ADDR:MASTER_PORT, hosted by rank 0 or by
+torchrun's agent, entered by proving the launch's secret). The default group runs the network's collectives
+(NCCL on GPUs, gloo on CPUs); a gloo group carries rank 0's step to a launcher's ranks (the bytes of
+`step_codec`, with a MAC) and the startup agreement. The store carries what a failing rank has to say
+(`post_error`) and tells the ranks that rank 0 is still there. When every rank is on this machine
+(`RankLaunch.single_host`), the groups' own sockets listen on the loopback interface only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
+import hmac
 import logging
+import os
+import socket
 import threading
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from .launch import RankLaunch
+from .store import launch_secret, open_store
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -25,36 +34,66 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
 # (its sockets close), so this only bounds a peer that hangs.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 DESTROY_TIMEOUT_S = 10.0
+# A step frame over gloo longer than this is not rank 0's (see channel.MAX_FRAME_BYTES).
+MAX_STEP_BYTES = 1 << 30
+_MAC_BYTES = hashlib.sha256().digest_size
 _ERROR_KEY = "kiln/error/rank{}"
 _STOPPED_KEY = "kiln/stopped/rank{}"
+# Where gloo and NCCL read the network interface their sockets listen on.
+_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class RankGroups:
-    """This rank's view of its engine's process groups."""
+    """This rank's view of its engine's process groups. `secret`: the launch's (`store.launch_secret`; read
+    from KILN_TP_SECRET when None)."""
 
-    def __init__(self, launch: RankLaunch, backend: str) -> None:
+    def __init__(self, launch: RankLaunch, device: torch.device, secret: str | None = None) -> None:
         self.launch = launch
         self.rank, self.world_size = launch.rank, launch.world_size
-        self.backend = backend
-        # torchrun's agent hosts the store itself (TORCHELASTIC_USE_AGENT_STORE): env:// knows how to join it.
-        url = "env://" if launch.external else f"tcp://{launch.master_addr}:{launch.master_port}"
-        self.store, _, _ = next(dist.rendezvous(url, rank=launch.rank, world_size=launch.world_size,
-                                                timeout=RENDEZVOUS_TIMEOUT))
-        dist.init_process_group(backend, store=self.store, rank=launch.rank, world_size=launch.world_size,
-                                timeout=IDLE_TIMEOUT if backend == "gloo" else None)
-        self.device_group = dist.group.WORLD
-        self.cpu_group = (self.device_group if backend == "gloo" else
-                          dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+        self.backend = backend_for(device)
+        admission = open_store(launch, launch_secret(launch) if secret is None else secret, RENDEZVOUS_TIMEOUT)
+        self.store = admission.store
+        self._step_key = admission.step_key
+        self._step_count = 0  # messages sent (rank 0) or received (others): each MAC covers its number
+        with _loopback_sockets() if launch.single_host else contextlib.nullcontext():
+            dist.init_process_group(self.backend, store=self.store, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=IDLE_TIMEOUT if self.backend == "gloo" else None)
+            self.device_group = dist.group.WORLD
+            self.cpu_group = (self.device_group if self.backend == "gloo" else
+                              dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+            if self.backend == "nccl":
+                # NCCL makes its communicator (and its bootstrap socket) at the first collective and reads
+                # NCCL_SOCKET_IFNAME once per process: make it now, while the variable says loopback.
+                dist.all_reduce(torch.zeros(1, device=device), group=self.device_group)
 
-    def send_step(self, message: object) -> None:
-        """Rank 0: the next message (a step, or None to stop) to every other rank."""
-        dist.broadcast_object_list([message], src=0, group=self.cpu_group)
+    def send_step(self, data: bytes) -> None:
+        """Rank 0: the next message (`step_codec` bytes) to every other rank, with a MAC under the launch's
+        step key over its number and bytes, so a rank takes only rank 0's messages, in order."""
+        frame = self._mac(data) + data
+        dist.broadcast(torch.tensor([len(frame)], dtype=torch.int64), src=0, group=self.cpu_group)
+        dist.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), src=0, group=self.cpu_group)
 
-    def receive_step(self) -> object:
-        """Ranks 1..: waits for rank 0's next message."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+    def receive_step(self) -> bytes:
+        """Ranks 1..: waits for rank 0's next message; ConnectionError for a frame whose MAC does not check."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.cpu_group)
+        length = int(size.item())
+        if not _MAC_BYTES <= length <= MAX_STEP_BYTES:
+            raise ConnectionError(f"step channel: a frame of {length} bytes is not a message from rank 0")
+        frame = torch.empty(length, dtype=torch.uint8)
+        dist.broadcast(frame, src=0, group=self.cpu_group)
+        raw = frame.numpy().tobytes()
+        mac, data = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(data)):
+            raise ConnectionError("step channel: a message failed its authentication check (not rank 0's, or "
+                                  "rank 0 has another KILN_TP_SECRET): refused")
+        return data
+
+    def _mac(self, data: bytes) -> bytes:
+        mac = hmac.new(self._step_key, self._step_count.to_bytes(8, "little"), hashlib.sha256)
+        mac.update(data)
+        self._step_count += 1
+        return mac.digest()
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory holds)."""
@@ -126,3 +165,24 @@ class RankGroups:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def _loopback_sockets() -> Iterator[None]:
+    """gloo and NCCL listen on the loopback interface while the groups are made (gloo otherwise listens on the
+    address its host name resolves to, NCCL on the first non-loopback interface). The variables are put back
+    afterwards: this process is also the user's."""
+    interface = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if interface is None:  # no loopback interface by that name: leave the defaults (and the store is loopback)
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in _INTERFACE_VARIABLES}
+    os.environ.update(dict.fromkeys(_INTERFACE_VARIABLES, interface))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

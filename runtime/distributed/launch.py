@@ -4,11 +4,12 @@ MASTER_PORT and LOCAL_RANK), each process running the same command."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,12 @@ class RankLaunch:
     local_world_size: int
     external: bool
 
+    @property
+    def single_host(self) -> bool:
+        """Every rank runs on this machine and they meet on a loopback address: their sockets need not (and so
+        do not) listen anywhere else."""
+        return self.local_world_size == self.world_size and is_loopback(self.master_addr)
+
     def for_rank(self, rank: int) -> RankLaunch:
         """The launch of a rank that rank 0 starts on this machine."""
         return RankLaunch(rank, self.world_size, self.master_addr, self.master_port, rank, self.local_world_size,
@@ -64,6 +71,16 @@ def launch_from_env(env: Mapping[str, str] = os.environ) -> RankLaunch | None:
         raise ValueError(f"RANK={numbers['RANK']} must be in [0, WORLD_SIZE={numbers['WORLD_SIZE']})")
     return RankLaunch(numbers["RANK"], numbers["WORLD_SIZE"], env["MASTER_ADDR"], numbers["MASTER_PORT"],
                       numbers["LOCAL_RANK"], numbers["LOCAL_WORLD_SIZE"], external=True)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` is a loopback IP address or `localhost` (host names are not resolved)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def local_launch(world_size: int) -> RankLaunch:
@@ -94,15 +111,17 @@ def rank_device(device: torch.device, launch: RankLaunch, engine_dir: object) ->
     return torch.device("cuda", launch.local_rank)
 
 
-def start_local_workers(args_of_rank, launch: RankLaunch) -> list[subprocess.Popen]:
+def start_local_workers(start_message: Callable[[int], bytes], launch: RankLaunch,
+                        env: Mapping[str, str]) -> list[subprocess.Popen]:
     """Starts ranks 1..world_size-1 as fresh Python processes running `kiln.runtime.distributed.worker_main`,
-    whose stdin stays open as the step channel (`channel.py`); its first message is `args_of_rank(rank)`.
+    whose stdin stays open as the step channel (`channel.py`); its first message is `start_message(rank)`
+    (`step_codec.encode_start`). `env`: added to this process's environment for them (the launch's secret).
     Not multiprocessing: its spawn re-runs the caller's main module, which a script without an
     `if __name__ == "__main__"` guard cannot survive. A worker ends when rank 0 stops it or disappears."""
     processes = []
     for rank in range(1, launch.world_size):
         process = subprocess.Popen([sys.executable, *_SAFE_PATH, "-m", "kiln.runtime.distributed.worker_main"],
-                                   stdin=subprocess.PIPE)
-        PipeSender([process.stdin]).send(args_of_rank(rank))
+                                   stdin=subprocess.PIPE, env={**os.environ, **env})
+        PipeSender([process.stdin]).send(start_message(rank))
         processes.append(process)
     return processes

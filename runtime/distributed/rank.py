@@ -14,7 +14,7 @@ from kiln.engine_format import Mapping
 from ..engine_loader import EngineInfo, RuntimeConfig, load_network
 from ..model_runner import ModelRunner, RunnerLimits
 from .comm import TorchTPComm
-from .group import RankGroups, backend_for
+from .group import RankGroups
 from .launch import RankLaunch, rank_device
 
 logger = logging.getLogger("kiln.runtime")
@@ -30,8 +30,9 @@ def rank_runtime(runtime: RuntimeConfig, launch: RankLaunch, engine_dir: object)
     return dataclasses.replace(runtime, device=device)
 
 
-def join(runtime: RuntimeConfig, launch: RankLaunch) -> RankGroups:
-    return RankGroups(launch, backend_for(runtime.device))
+def join(runtime: RuntimeConfig, launch: RankLaunch, secret: str | None = None) -> RankGroups:
+    """Meets the other ranks (`secret`: the launch's, read from KILN_TP_SECRET when None)."""
+    return RankGroups(launch, runtime.device, secret)
 
 
 def start_runner(info: EngineInfo, runtime: RuntimeConfig, groups: RankGroups,

@@ -18,6 +18,7 @@ from .channel import PipeReceiver
 from .group import RankGroups
 from .launch import RankLaunch
 from .rank import join, rank_runtime, start_runner
+from .step_codec import StepDecoder
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -41,7 +42,8 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
         runner = start_runner(info, runtime, groups, kv_cache_scales)
         _watch_rank0(groups)
         receive = groups.receive_step if steps is None else steps.receive
-        while (step := receive()) is not None:
+        decoder = StepDecoder()  # checks every message against the step schema (never unpickles)
+        while (step := decoder.decode(receive())) is not None:
             runner.execute(step)
         runner.release_graphs()
     except BaseException as e:  # every failure ends the rank; what matters is that rank 0 hears why

@@ -1,0 +1,404 @@
+"""What crosses the step channel, as plain data with a schema: JSON, never pickle.
+
+Rank 0 sends the other ranks two kinds of message: once, a worker's start arguments (`encode_start`: the engine
+directory, its `RuntimeConfig`, its `RankLaunch`, the KV-cache scales and the log level), then one `StepInput`
+per step and a stop (`StepEncoder.encode(None)`). A pickle runs whatever code its bytes name, so a rank that
+unpickled what reached it from a pipe or a socket would run whatever a writer to it chose; here every message is
+JSON that the decoder checks field by field (names, types, ranges, lengths) and rejects with a `StepCodecError`
+naming the field, anything else included.
+
+A step is columns, not one object per request: `ids`, `ntok` (tokens per request), `tokens` (all requests'
+tokens, concatenated), `start`, `nprompt`, `nsampled`, `stamp` (the `BlockTable` stamp, 0 for a table without
+one), `nblk` (the table's length), `have` (how many of its blocks the ranks hold already), `blocks` (each table's
+blocks from `have` on, concatenated), `preempted`, and `targets` ([request id, prompt token ids, top_k] per
+prompt-logprob target). Flat integer lists are what `json` encodes and decodes fastest, and what the decoder
+checks in C (`set(map(type, ...))`, `min`, `max`) rather than element by element in Python.
+
+Block tables travel as what they gained: a stamped table only grows (`block_table.py`), so the encoder and every
+decoder keep the same ledger (stamp -> blocks sent), and a decode step sends a block only every `block_size`
+tokens instead of every request's whole table every step. Both ledgers see the same messages in the same order
+and forget a stamp by the same rule (unused for `LEDGER_STEPS` steps), so they agree without talking; a stamp
+the ranks have forgotten is sent whole again (`have` 0), and a decoder whose ledger disagrees with `have`
+refuses the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..block_table import BlockTable
+from ..engine_loader import RuntimeConfig
+from ..model_step import StepInput
+from ..prompt_logprobs import PromptLogprobTarget
+from ..scheduler import ScheduledRequest, SchedulerOutput
+from .launch import RankLaunch
+
+FORMAT_VERSION = 1
+INT32_END = 2 ** 31  # token ids, block ids, positions and counts are below this (the runner packs them as int32)
+INT64_END = 2 ** 63  # block-table stamps
+# A stamp no step has used for this many steps is forgotten by encoder and decoders alike (the requests that
+# run are scheduled every step; one that sat out longer gets its table sent whole again).
+LEDGER_STEPS = 32
+_STEP_KEYS = frozenset({"kind", "v", "ids", "ntok", "tokens", "start", "nprompt", "nsampled", "stamp", "nblk",
+                        "have", "blocks", "preempted", "targets"})
+_STOP_KEYS = frozenset({"kind", "v"})
+_START_KEYS = frozenset({"kind", "v", "engine_dir", "runtime", "launch", "kv_cache_scales", "log_level"})
+# The wire form of each RuntimeConfig / RankLaunch field; a field added there without one here is refused by
+# the encoder (a test checks the sets agree), so a new setting cannot silently stay behind on rank 0.
+_RUNTIME_FIELDS = {"device": "device", "dtype": "dtype", "max_batch_size": "int", "max_num_tokens": "int",
+                   "max_seq_len": "int", "block_size": "int", "num_kv_blocks": "int?",
+                   "enable_prefix_caching": "bool", "kv_cache_memory_fraction": "float", "cuda_graphs": "bool",
+                   "kv_cache_dtype": "dtype?", "async_scheduling": "bool?"}
+_LAUNCH_FIELDS = {"rank": "int", "world_size": "int", "master_addr": "str", "master_port": "int",
+                  "local_rank": "int", "local_world_size": "int", "external": "bool"}
+_DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
+STOP = _DUMPS({"kind": "stop", "v": FORMAT_VERSION}).encode()
+
+
+class StepCodecError(ValueError):
+    """A message on the step channel that does not follow its schema (or a step that has no wire form)."""
+
+
+class _Ledger:
+    """stamp -> what the ranks hold of that table, least recently used first; forgets by `LEDGER_STEPS`."""
+
+    def __init__(self) -> None:
+        self.tables: OrderedDict[int, Any] = OrderedDict()  # stamp -> [value, step that last used it]
+        self.step = 0
+
+    def use(self, stamp: int, value: Any) -> None:
+        entry = self.tables.get(stamp)
+        if entry is None:
+            self.tables[stamp] = [value, self.step]
+        else:
+            entry[0], entry[1] = value, self.step
+            self.tables.move_to_end(stamp)
+
+    def end_step(self) -> None:
+        oldest = self.step - LEDGER_STEPS
+        tables = self.tables
+        while tables:
+            stamp, (_, used) = next(iter(tables.items()))
+            if used > oldest:
+                break
+            del tables[stamp]
+        self.step += 1
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+class StepEncoder:
+    """Rank 0's end: one per engine, its messages sent to every other rank in order (each decoder's ledger
+    follows this one's)."""
+
+    def __init__(self) -> None:
+        self._ledger = _Ledger()  # stamp -> blocks the ranks hold
+
+    def encode(self, step: StepInput | None) -> bytes:
+        """The step as JSON bytes; None (stop the ranks) as a stop message. A `TokenFeed` (tokens still on rank
+        0's device) cannot be sent: a StepCodecError. The ledger changes only once the message is made."""
+        if step is None:
+            return STOP
+        if step.token_feed is not None:
+            raise StepCodecError("a step with a TokenFeed cannot be sent to other ranks: its tokens are on rank "
+                                 "0's device (a tensor-parallel executor does not accept token feeds)")
+        requests = step.schedule.requests
+        ids, ntok, tokens, start, nprompt, nsampled, stamps, nblk, have, blocks = ([] for _ in range(10))
+        held = self._ledger.tables
+        sent: dict[int, int] = {}  # this step's ledger updates, applied once the message is made
+        for r in requests:
+            ids.append(r.request_id)
+            ntok.append(len(r.token_ids))
+            tokens += r.token_ids
+            start.append(r.start_position)
+            nprompt.append(r.num_prompt_tokens)
+            nsampled.append(r.num_sampled)
+            table = r.block_ids
+            n = len(table)
+            stamp = table.stamp if isinstance(table, BlockTable) else 0
+            if stamp:
+                known = sent.get(stamp)
+                if known is None:
+                    entry = held.get(stamp)
+                    known = 0 if entry is None else entry[0]
+                if known > n:  # cannot happen to one stamp's list; sent whole rather than trusted
+                    known = 0
+                blocks += table.since(known)  # a slice of its list: only what the ranks lack
+                sent[stamp] = n
+            else:
+                known = 0
+                blocks += table
+            stamps.append(stamp)
+            nblk.append(n)
+            have.append(known)
+        targets = [[rid, list(t.token_ids), t.top_k] for rid, t in step.prompt_logprob_targets.items()]
+        try:
+            data = _DUMPS({"kind": "step", "v": FORMAT_VERSION, "ids": ids, "ntok": ntok, "tokens": tokens,
+                           "start": start, "nprompt": nprompt, "nsampled": nsampled, "stamp": stamps, "nblk": nblk,
+                           "have": have, "blocks": blocks, "preempted": list(step.schedule.preempted_ids),
+                           "targets": targets}).encode()
+        except (TypeError, ValueError) as e:  # e.g. a numpy integer among the token ids
+            raise StepCodecError(f"step has a value with no JSON form: {e}") from None
+        for stamp, n in sent.items():
+            self._ledger.use(stamp, n)
+        self._ledger.end_step()
+        return data
+
+
+class StepDecoder:
+    """A worker's end: decodes rank 0's messages in the order they were sent."""
+
+    def __init__(self) -> None:
+        self._ledger = _Ledger()  # stamp -> the table's block list (append-only, shared by its BlockTables)
+
+    def decode(self, data: bytes) -> StepInput | None:
+        """The `StepInput` that `StepEncoder.encode` made (None: stop). StepCodecError for anything else: not
+        JSON, a missing or unknown field, a value of the wrong type or out of range, columns of different
+        lengths, a block table that does not continue what this rank holds. A decoder that raised may hold part
+        of the failed step: a worker ends at its first error."""
+        message = _load(data, "step")
+        kind = message.get("kind")
+        if kind == "stop":
+            _check_keys(message, _STOP_KEYS, "stop message")
+            return None
+        if kind != "step":
+            raise StepCodecError(f"step channel: unknown message kind {kind!r} (expected 'step' or 'stop')")
+        _check_keys(message, _STEP_KEYS, "step")
+        ids = _str_list(message, "ids")
+        n = len(ids)
+        ntok = _int_list(message, "ntok", 1, INT32_END, n)
+        start = _int_list(message, "start", 0, INT32_END, n)
+        nprompt = _int_list(message, "nprompt", 0, INT32_END, n)
+        nsampled = _int_list(message, "nsampled", 0, INT32_END, n)
+        stamps = _int_list(message, "stamp", 0, INT64_END, n)
+        nblk = _int_list(message, "nblk", 0, INT32_END, n)
+        have = _int_list(message, "have", 0, INT32_END, n)
+        for i in _where_greater(have, nblk):
+            raise StepCodecError(f"step field 'have'[{i}]={have[i]} exceeds the table's {nblk[i]} blocks "
+                                 f"('nblk'[{i}])")
+        for i in _where_greater(nsampled, ntok):
+            raise StepCodecError(f"step field 'nsampled'[{i}]={nsampled[i]} exceeds the request's {ntok[i]} "
+                                 f"tokens ('ntok'[{i}])")
+        tokens = _int_list(message, "tokens", 0, INT32_END, sum(ntok))
+        blocks = _int_list(message, "blocks", 0, INT32_END, sum(nblk) - sum(have))
+        preempted = _str_list(message, "preempted")
+        targets = _targets(message["targets"])
+        if len(set(ids)) != n:
+            raise StepCodecError("step field 'ids': a request id appears twice")
+        ledger = self._ledger
+        held, now = ledger.tables, ledger.step
+        requests = []
+        t = b = 0
+        for i in range(n):
+            count, known, stamp = nblk[i], have[i], stamps[i]
+            b_end = b + count - known
+            entry = held.get(stamp) if stamp else None
+            if known == 0:
+                ids_list = blocks[b:b_end]
+                if entry is not None:  # sent whole again: a new list (earlier BlockTables keep the old one)
+                    entry[0] = ids_list
+            else:
+                ids_list = None if entry is None else entry[0]
+                if ids_list is None or len(ids_list) != known:
+                    raise StepCodecError(
+                        f"step field 'have'[{i}]={known}: this rank holds "
+                        f"{0 if ids_list is None else len(ids_list)} blocks of table stamp {stamp} (request "
+                        f"{ids[i]!r}); the ranks' block-table ledgers disagree")
+                ids_list += blocks[b:b_end]  # appended in place: earlier BlockTables of this list stay valid
+            if stamp:  # the encoder's ledger update, inline (a step's requests are many; calls cost)
+                if entry is None:
+                    held[stamp] = [ids_list, now]
+                else:
+                    entry[1] = now
+                    held.move_to_end(stamp)
+            t_end = t + ntok[i]
+            requests.append(ScheduledRequest(ids[i], tuple(tokens[t:t_end]), start[i],
+                                             BlockTable(ids_list, count, stamp), nprompt[i], nsampled[i]))
+            t, b = t_end, b_end
+        ledger.end_step()
+        return StepInput(SchedulerOutput(tuple(requests), tuple(preempted)), targets)
+
+
+def _targets(value: Any) -> dict[str, PromptLogprobTarget]:
+    if type(value) is not list:
+        raise StepCodecError(f"step field 'targets' must be a list, got {type(value).__name__}")
+    out = {}
+    for i, item in enumerate(value):
+        where = f"'targets'[{i}]"
+        if type(item) is not list or len(item) != 3:
+            raise StepCodecError(f"step field {where} must be [request id, prompt token ids, top_k]")
+        rid, token_ids, top_k = item
+        if type(rid) is not str:
+            raise StepCodecError(f"step field {where}[0] (request id) must be a string, got {type(rid).__name__}")
+        if rid in out:
+            raise StepCodecError(f"step field {where}: request id {rid!r} appears twice")
+        token_ids = _int_list({"token_ids": token_ids}, "token_ids", 0, INT32_END, None, f"{where}[1]")
+        top_k = _int(top_k, 0, INT32_END, f"step field {where}[2] (top_k)")
+        out[rid] = PromptLogprobTarget(token_ids, top_k)
+    return out
+
+
+# ---- a worker's start arguments --------------------------------------------------------------------------
+def encode_start(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunch,
+                 kv_cache_scales: Sequence[tuple[float, float]] | None, log_level: int) -> bytes:
+    """A worker's arguments (`worker.worker_process_main`'s) as JSON bytes."""
+    message = {"kind": "start", "v": FORMAT_VERSION, "engine_dir": str(engine_dir),
+               "runtime": _encode_fields(runtime, _RUNTIME_FIELDS), "launch": _encode_fields(launch, _LAUNCH_FIELDS),
+               "kv_cache_scales": None if kv_cache_scales is None else [[float(k), float(v)]
+                                                                         for k, v in kv_cache_scales],
+               "log_level": int(log_level)}
+    return _DUMPS(message).encode()
+
+
+def decode_start(data: bytes) -> tuple[str, RuntimeConfig, RankLaunch, list[tuple[float, float]] | None, int]:
+    """(engine_dir, runtime, launch, kv_cache_scales, log_level) from `encode_start`'s bytes; StepCodecError
+    for anything else."""
+    message = _load(data, "start")
+    if message.get("kind") != "start":
+        raise StepCodecError(f"step channel: expected the worker's start message first, got kind "
+                             f"{message.get('kind')!r}")
+    _check_keys(message, _START_KEYS, "start message")
+    engine_dir = message["engine_dir"]
+    if type(engine_dir) is not str:
+        raise StepCodecError(f"start message field 'engine_dir' must be a string, got {type(engine_dir).__name__}")
+    runtime = RuntimeConfig(**_decode_fields(message["runtime"], _RUNTIME_FIELDS, "runtime"))
+    launch = RankLaunch(**_decode_fields(message["launch"], _LAUNCH_FIELDS, "launch"))
+    scales = message["kv_cache_scales"]
+    if scales is not None:
+        if type(scales) is not list or any(type(p) is not list or len(p) != 2 for p in scales):
+            raise StepCodecError("start message field 'kv_cache_scales' must be null or a list of [k, v] pairs")
+        scales = [(_float(k, "start message field 'kv_cache_scales'"),
+                   _float(v, "start message field 'kv_cache_scales'")) for k, v in scales]
+    return engine_dir, runtime, launch, scales, _int(message["log_level"], 0, 100, "start message field 'log_level'")
+
+
+def _encode_fields(config: object, schema: dict[str, str]) -> dict[str, object]:
+    names = {f.name for f in dataclasses.fields(config)}
+    if names != set(schema):
+        raise StepCodecError(f"{type(config).__name__} fields {sorted(names ^ set(schema))} have no wire form "
+                             f"in step_codec (add them to its schema)")
+    out = {}
+    for name, kind in schema.items():
+        value = getattr(config, name)
+        if value is None:
+            out[name] = None
+        elif kind.startswith("dtype"):
+            out[name] = str(value).removeprefix("torch.")
+        elif kind == "device":
+            out[name] = str(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _decode_fields(value: Any, schema: dict[str, str], what: str) -> dict[str, object]:
+    if type(value) is not dict:
+        raise StepCodecError(f"start message field '{what}' must be an object, got {type(value).__name__}")
+    _check_keys(value, frozenset(schema), f"start message field '{what}'")
+    out = {}
+    for name, kind in schema.items():
+        field, item = f"start message field '{what}.{name}'", value[name]
+        if kind.endswith("?"):
+            if item is None:
+                out[name] = None
+                continue
+            kind = kind[:-1]
+        if kind == "int":
+            out[name] = _int(item, 0, INT32_END, field)
+        elif kind == "float":
+            out[name] = _float(item, field)
+        elif kind == "bool":
+            if type(item) is not bool:
+                raise StepCodecError(f"{field} must be true or false, got {item!r}")
+            out[name] = item
+        elif kind == "str":
+            if type(item) is not str:
+                raise StepCodecError(f"{field} must be a string, got {type(item).__name__}")
+            out[name] = item
+        elif kind == "dtype":
+            dtype = getattr(torch, item, None) if type(item) is str else None
+            if not isinstance(dtype, torch.dtype):
+                raise StepCodecError(f"{field} must name a torch dtype (e.g. 'float16'), got {item!r}")
+            out[name] = dtype
+        else:  # device
+            try:
+                device = torch.device(item) if type(item) is str else None
+            except RuntimeError:
+                device = None
+            if device is None or device.type not in ("cpu", "cuda"):
+                raise StepCodecError(f"{field} must be 'cpu' or 'cuda[:N]', got {item!r}")
+            out[name] = device
+    return out
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def _load(data: bytes, what: str) -> dict:
+    try:
+        message = json.loads(data)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise StepCodecError(f"step channel: the {what} message is not JSON ({type(e).__name__}: {e})"[:300]) from None
+    if type(message) is not dict:
+        raise StepCodecError(f"step channel: a message must be a JSON object, got {type(message).__name__}")
+    if message.get("v") != FORMAT_VERSION:
+        raise StepCodecError(f"step channel: message format {message.get('v')!r}, this rank reads "
+                             f"{FORMAT_VERSION} (every rank must run the same kiln version)")
+    return message
+
+
+def _check_keys(message: dict, expected: frozenset, what: str) -> None:
+    keys = message.keys()
+    if keys != expected:
+        extra, missing = sorted(keys - expected), sorted(expected - keys)
+        raise StepCodecError(f"{what}: " + "; ".join(
+            ([f"unexpected field(s) {extra}"] if extra else []) + ([f"missing field(s) {missing}"] if missing else [])))
+
+
+def _int_list(message: dict, name: str, low: int, high: int, length: int | None,
+              label: str | None = None) -> list[int]:
+    """message[name], checked to be a list of `length` ints in [low, high) (bools are not ints here). The
+    checks run in C; only a failure walks the list to name the bad element."""
+    value = message[name]
+    field = label or f"'{name}'"
+    if type(value) is not list:
+        raise StepCodecError(f"step field {field} must be a list of integers, got {type(value).__name__}")
+    if length is not None and len(value) != length:
+        raise StepCodecError(f"step field {field} has {len(value)} entries, expected {length}")
+    if value and (set(map(type, value)) != {int} or min(value) < low or max(value) >= high):
+        for i, item in enumerate(value):
+            _int(item, low, high, f"step field {field}[{i}]")
+    return value
+
+
+def _where_greater(a: list[int], b: list[int]) -> list[int]:
+    """The indices where a[i] > b[i] (the common case, none, in C)."""
+    if not any(map(int.__gt__, a, b)):
+        return []
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x > y]
+
+
+def _int(value: Any, low: int, high: int, field: str) -> int:
+    if type(value) is not int:
+        raise StepCodecError(f"{field} must be an integer, got {type(value).__name__} {value!r}"[:200])
+    if not low <= value < high:
+        raise StepCodecError(f"{field}={value} is out of range [{low}, {high})")
+    return value
+
+
+def _float(value: Any, field: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise StepCodecError(f"{field} must be a finite number, got {type(value).__name__} {value!r}"[:200])
+    return float(value)
+
+
+def _str_list(message: dict, name: str) -> list[str]:
+    value = message[name]
+    if type(value) is not list or (value and set(map(type, value)) != {str}):
+        raise StepCodecError(f"step field '{name}' must be a list of strings")
+    return value

@@ -35,16 +35,19 @@ from kiln.engine_format import (
     rank_file_name,
     write_engine_json,
 )
+from kiln.engine_format.limits import check_build_limits
 from kiln.engine_format.ownership import engine_manifest_paths, foreign_entries
 from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_hf_config
 from kiln.model_defs.config import token_id_list
-from kiln.model_defs.recipes import consumed_parts
+from kiln.model_defs.recipes import Recipe, consumed_parts
 from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.prequant.detect import detect_checkpoint_quantization
 
 from .build_config import BuildConfig
 from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
+from .finite_check import finite_reader
+from .kernel_store import KernelStoreError, with_stored_kernels
 from .quantize import (
     QuantPlan,
     checkpoint_tensors,
@@ -83,7 +86,8 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def load_model_config(checkpoint: Path) -> tuple[ModelDef, ModelConfig]:
-    """The checkpoint's config.json (+ generation_config.json's EOS ids) as a ModelConfig."""
+    """The checkpoint's config.json (+ generation_config.json's EOS ids) as a ModelConfig, its values checked
+    against kiln's bounds (model_defs/config_limits.py) before anything is sized by them."""
     raw = read_json(checkpoint / "config.json", "config")
     try:
         model_def = model_def_for_hf_config(raw)
@@ -93,10 +97,13 @@ def load_model_config(checkpoint: Path) -> tuple[ModelDef, ModelConfig]:
     gen_path = checkpoint / "generation_config.json"
     if gen_path.exists():
         gen = read_json(gen_path, "generation config")
-        if gen.get("eos_token_id") is not None:
-            config = dataclasses.replace(config, eos_token_ids=token_id_list(gen["eos_token_id"]))
-        if gen.get("bos_token_id") is not None:
-            config = dataclasses.replace(config, bos_token_id=gen["bos_token_id"])
+        try:  # replace() checks again: an id outside the vocabulary is this file's
+            if gen.get("eos_token_id") is not None:
+                config = dataclasses.replace(config, eos_token_ids=token_id_list(gen["eos_token_id"]))
+            if gen.get("bos_token_id") is not None:
+                config = dataclasses.replace(config, bos_token_id=gen["bos_token_id"])
+        except (ValueError, TypeError) as e:
+            raise BuildError(f"{gen_path}: {e}") from None
     return model_def, config
 
 
@@ -173,6 +180,25 @@ def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: M
     returns a function that makes and casts one engine tensor at a time. `read` replaces reader.get as
     the source of the parts' values (the weights as calibration left them); `also_used` are checkpoint
     tensors read otherwise (a pre-quantized format's), not reported as unused."""
+    recipes = check_checkpoint_shapes(reader, model_def, config, specs)
+    used = consumed_parts(recipes[s.name] for s in specs) | also_used
+    unused = [n for n in reader.names() if n not in used and not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        logger.warning("checkpoint has %d tensors the model does not use (config.json may not match the "
+                       "weights), e.g. %s", len(unused), ", ".join(unused[:3]))
+
+    read = read or reader.get
+
+    def produce(spec: TensorSpec) -> torch.Tensor:
+        return recipes[spec.name].make(spec.name, read).to(spec.dtype)
+
+    return produce
+
+
+def check_checkpoint_shapes(reader: CheckpointReader, model_def: ModelDef, config: ModelConfig,
+                            specs: list[TensorSpec]) -> dict[str, Recipe]:
+    """The recipes of `specs`, once every part is found in the checkpoint and they combine to the engine
+    tensor's shape (read from the file headers, no weights loaded); a BuildError names the first that does not."""
     recipes = model_def.recipes(config, [s.name for s in specs])
     missing = [part for s in specs for part in recipes[s.name].parts if part not in reader]
     if missing:
@@ -187,19 +213,7 @@ def checkpoint_producer(reader: CheckpointReader, model_def: ModelDef, config: M
                 f"checkpoint tensor(s) {recipe.parts} have shapes {shapes}, but config.json implies "
                 f"{s.name} of shape {list(s.shape)}; does config.json belong to these weights?"
             )
-
-    used = consumed_parts(recipes[s.name] for s in specs) | also_used
-    unused = [n for n in reader.names() if n not in used and not n.endswith("rotary_emb.inv_freq")]
-    if unused:
-        logger.warning("checkpoint has %d tensors the model does not use (config.json may not match the "
-                       "weights), e.g. %s", len(unused), ", ".join(unused[:3]))
-
-    read = read or reader.get
-
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        return recipes[spec.name].make(spec.name, read).to(spec.dtype)
-
-    return produce
+    return recipes
 
 
 def copy_tokenizer(checkpoint: Path, engine: Path) -> dict[str, FileEntry]:
@@ -245,8 +259,8 @@ def _producer(config: BuildConfig, reader: CheckpointReader | None, model_def: M
         kind, read = " (dummy)", None
     else:
         calibrated = None if plan is None or plan.result is None else plan.result.state
-        read = reader.get if calibrated is None else (
-            lambda name: calibrated[name] if name in calibrated else reader.get(name))
+        get = finite_reader(reader.get, reader.checkpoint_dir, allow=config.allow_non_finite)
+        read = get if calibrated is None else (lambda name: calibrated[name] if name in calibrated else get(name))
         checked, also_used = float_specs, set()
         if plan is not None and plan.checkpoint_format is not None:
             # The quantized layers' weights are read by the format, as the tensors it names.
@@ -293,6 +307,13 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     model_def, model_config = load_model_config(checkpoint)
     dtype_name = resolve_dtype(config.dtype, model_config, config.device)
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
+    try:  # again with max_seq_len resolved: the block tables of a full batch must stay allocatable
+        check_build_limits(max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,
+                           max_seq_len=max_seq_len, kv_block_size=config.kv_block_size)
+    except ValueError as e:
+        default = "" if config.max_seq_len else (f" (max_seq_len defaults to {checkpoint / 'config.json'}'s "
+                                                 f"max_position_embeddings; pass --max-seq-len)")
+        raise BuildError(f"{e}{default}") from None
     if max_seq_len > model_config.max_position_embeddings:
         logger.warning("max_seq_len %d exceeds the model's max_position_embeddings %d: quality past the "
                        "trained context depends on its rope scaling", max_seq_len,
@@ -321,6 +342,9 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
                                     dtype=torch_dtype)
         except ShardingError as e:
             raise BuildError(str(e)) from None
+        if reader is not None and plan is not None and plan.calibrate and plan.checkpoint_format is None:
+            # Calibration loads the whole model: a config that does not fit the weights fails before that.
+            check_checkpoint_shapes(reader, model_def, model_config, float_specs)
 
         _check_output(output)
         staging = stack.enter_context(staged_directory(output, check_replace=_check_output))
@@ -349,10 +373,15 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
             kv_cache_scales=None if plan is None else kv_cache_scales(plan, model_config.num_layers),
             quantization=None if plan is None else quant_spec(plan).to_dict(), dummy_weights=config.dummy_weights,
             weights_at_load=config.weights_at_load)
-        write_engine_json(staging, architecture=model_config.architecture, model_config=model_config.to_dict(),
-                          build_config=build.to_dict(), mapping=mapping.to_dict(), target=target, files=files,
-                          kiln_version=kiln.__version__,
-                          format_version=1 if plan is None else QUANTIZED_FORMAT_VERSION)
+        fields = dict(architecture=model_config.architecture, model_config=model_config.to_dict(),
+                      build_config=build.to_dict(), mapping=mapping.to_dict(), target=target, files=files,
+                      kiln_version=kiln.__version__, format_version=1 if plan is None else QUANTIZED_FORMAT_VERSION)
+        write_engine_json(staging, **fields)
+        if config.kernels:  # compiled by starting the finished engine in a child process, then listed
+            try:
+                write_engine_json(staging, **with_stored_kernels(staging, fields))
+            except KernelStoreError as e:
+                raise BuildError(str(e)) from None
     logger.info("built %s (%s, %s) in %.1fs", output, model_config.architecture, dtype_name,
                 time.perf_counter() - start)
     return output

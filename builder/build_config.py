@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kiln.engine_format import ENGINE_DTYPES
+from kiln.engine_format.limits import check_build_limits
 from kiln.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_QUANT_DTYPES, QFORMATS
 
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
@@ -32,6 +33,11 @@ class BuildConfig:
     # device cuda: time the tunable kernels' launch settings at the engine's shapes on this GPU and record the
     # winners in target.kernel_settings (builder/tune.py); False leaves the runtime its shape heuristics
     tune: bool = True
+    # device cuda: compile every kernel serving this engine launches (a child process starts it and runs a short
+    # workload with an empty Triton cache) and store the binaries in the engine (kernels/triton/, see
+    # builder/kernel_store.py), so that a fresh machine compiles nothing. `kiln build --device cuda` sets it unless
+    # --no-kernels; off by default here, since it starts the engine once more (tests build many engines)
+    kernels: bool = False
     # Quantization (TensorRT-LLM's names): the weights' format and the KV cache's dtype.
     qformat: str = "full_prec"
     kv_cache_dtype: str = "auto"  # auto = the engine dtype
@@ -39,24 +45,28 @@ class BuildConfig:
     calib_dataset: str | None = None  # plain text or JSON lines with "text"; None = kiln's default sample
     calib_size: int = 512  # calibration samples
     calib_max_seq_len: int = 512  # tokens per calibration sample
+    # A checkpoint tensor holding NaN or Inf is refused (the engine would sample from NaN logits); True builds
+    # it anyway with a warning naming the tensor (--allow-non-finite)
+    allow_non_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPE_CHOICES)}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r} must be one of {', '.join(DEVICE_CHOICES)}")
-        for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "awq_block_size", "calib_size",
-                     "calib_max_seq_len", "tp_size"):
+        # The engine's limits, bounded as engine.json's are (engine_format/limits.py); max_seq_len again once the
+        # model's default is known.
+        check_build_limits(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+                           max_seq_len=self.max_seq_len, kv_block_size=self.kv_block_size)
+        for name in ("awq_block_size", "calib_size", "calib_max_seq_len", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
-            raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive integer")
-        if self.kv_block_size & (self.kv_block_size - 1) or self.kv_block_size > 256:
-            raise ValueError(f"kv_block_size={self.kv_block_size} must be a power of two up to 256")
         if self.weights_at_load and not self.dummy_weights:
             raise ValueError("weights_at_load (--no-weight-files) needs dummy_weights (--dummy-weights): a "
                              "checkpoint's weights must be written into the engine")
+        if self.kernels and self.device != "cuda":
+            raise ValueError(f"kernels=True stores compiled GPU kernels: it needs device='cuda', not {self.device!r}")
         if self.qformat not in QFORMATS:
             raise ValueError(f"qformat={self.qformat!r} is not a quantization format; valid: {', '.join(QFORMATS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:

@@ -2,8 +2,9 @@
 
 `spec` reads and writes engine.json, `manifest` parses the files it lists and `verify` checks them
 (sizes, and sha256 trusted through `stamps` once matched), `config` types its build_config and `mapping`
-its rank layout, `json_fields` checks a JSON object against the dataclass it becomes, and `ownership`
-says whether a directory is an engine that a build may replace. The runtime imports this package, never
+its rank layout, `limits` bounds the build limits (for the builder's flags and engine.json alike),
+`json_fields` checks a JSON object against the dataclass it becomes, and `ownership` says whether a
+directory is an engine that a build may replace. The runtime imports this package, never
 the builder.
 """
 

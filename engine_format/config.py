@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .limits import check_build_limits
 from .mapping import Mapping
 from .spec import ENGINE_JSON, EngineError, EngineSpec
 
@@ -24,10 +25,6 @@ QUANTIZED_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 KV_CACHE_DTYPES = {**ENGINE_DTYPES, **QUANTIZED_KV_CACHE_DTYPES}
 
 KVCacheScales = tuple[tuple[float, float], ...]  # per layer (k_scale, v_scale)
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -54,9 +51,8 @@ class EngineBuildConfig:
         for name, allowed in (("dtype", ENGINE_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
-        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_block_size"):
-            if not _positive_int(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        check_build_limits(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+                           max_seq_len=self.max_seq_len, kv_block_size=self.kv_block_size)
         if self.quantization is not None and not isinstance(self.quantization, dict):
             raise ValueError(f"quantization={self.quantization!r} must be an object or null")
         for name in ("dummy_weights", "weights_at_load"):

@@ -10,11 +10,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .config_limits import (
+    ModelConfigError,
+    check_count,
+    check_positive_finite,
+    check_token_id,
+    is_count,
+)
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-
-
-class ModelConfigError(ValueError):
-    """A checkpoint config that kiln cannot build; the message names the field and value."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,17 @@ class RopeConfig:
             raise ModelConfigError(
                 f"rope_scaling type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        if self.theta <= 0 or self.factor <= 0:
-            raise ModelConfigError(f"rope theta and factor must be > 0, got {self.theta} and {self.factor}")
+        # NaN passes a `<= 0` test, and a NaN or infinite theta makes every rotation NaN: finite is checked.
+        check_positive_finite("rope_theta", self.theta)
+        check_positive_finite("rope_scaling factor", self.factor)
+        if self.rope_type == "llama3":
+            check_positive_finite("rope_scaling low_freq_factor", self.low_freq_factor)
+            check_positive_finite("rope_scaling high_freq_factor", self.high_freq_factor)
+            if self.high_freq_factor <= self.low_freq_factor:  # llama3 smoothing divides by their difference
+                raise ModelConfigError(f"rope_scaling high_freq_factor={self.high_freq_factor} must exceed "
+                                       f"low_freq_factor={self.low_freq_factor}")
+        check_count("rope_scaling original_max_position_embeddings", self.original_max_position_embeddings,
+                    "max_position_embeddings", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -53,9 +66,9 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for f in ("num_experts", "top_k", "intermediate_size"):
-            value = getattr(self, f)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(f"MoE config field {f}={value!r} must be a positive integer")
+            check_count(f"MoE config field {f}", getattr(self, f), f if f != "top_k" else "num_experts")
+        check_count("MoE config field shared_expert_intermediate_size", self.shared_expert_intermediate_size,
+                    "shared_expert_intermediate_size", minimum=0)
         if self.top_k > self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.top_k} exceeds the {self.num_experts} experts")
         object.__setattr__(self, "sparse_layers", tuple(bool(s) for s in self.sparse_layers))
@@ -88,11 +101,16 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
+        # Bounds first (config_limits.py): nothing below, nor the network, is sized by an absurd count.
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "max_position_embeddings"):
-            value = getattr(self, f)
-            if not isinstance(value, int) or value <= 0:
-                raise ModelConfigError(f"config field {f}={value!r} must be a positive integer")
+            check_count(f"config field {f}", getattr(self, f), f)
+        check_positive_finite("rms_norm_eps", self.rms_norm_eps)
+        for i, eos in enumerate(self.eos_token_ids):
+            check_token_id(f"eos_token_id[{i}]" if len(self.eos_token_ids) > 1 else "eos_token_id", eos,
+                           self.vocab_size)
+        if self.bos_token_id is not None:
+            check_token_id("bos_token_id", self.bos_token_id, self.vocab_size)
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -105,6 +123,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{len(self.layer_sliding_windows)} layer attention types for {self.num_layers} layers"
             )
+        for i, window in enumerate(self.layer_sliding_windows):
+            if not is_count(window) or window < 0:
+                raise ModelConfigError(f"layer_sliding_windows[{i}]={window!r} must be an integer >= 0 (0: none)")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelConfigError(f"{len(self.moe.sparse_layers)} MoE layer flags for {self.num_layers} layers")
 
@@ -186,7 +207,11 @@ def parse_decoder_config(
     if act != "silu":
         raise ModelConfigError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")
     hidden = required(raw, "hidden_size")
-    heads = required(raw, "num_attention_heads")
+    # Checked before dividing by it (model_def_for_hf_config checks every count already; not every caller uses it).
+    heads = check_count("num_attention_heads", required(raw, "num_attention_heads"), "num_heads")
+    if raw.get("head_dim") is None and hidden % heads:  # transformers' default head_dim is hidden // heads
+        raise ModelConfigError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (and no "
+                               f"head_dim is given)")
     dtype = raw.get("torch_dtype", raw.get("dtype"))
     return ModelConfig(
         architecture=raw["architectures"][0],

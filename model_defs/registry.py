@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from .config import ModelConfig, ModelConfigError
+from .config_limits import check_hf_counts
 from .layers.linear import LinearFactory
 from .layers.mlp import GatedMLP, MLPFactory
 from .recipes import Recipe, fused_recipes
@@ -53,6 +54,9 @@ def get_model_def(architecture: str) -> ModelDef:
 
 
 def model_def_for_hf_config(raw: dict[str, Any]) -> ModelDef:
+    """The ModelDef for a config.json, whose counts are checked against kiln's limits first (config_limits.py):
+    its parser may size per-layer tuples by them before ModelConfig checks anything."""
+    check_hf_counts(raw)
     archs = raw.get("architectures")
     if not archs or not isinstance(archs, list):
         raise ModelConfigError(

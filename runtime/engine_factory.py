@@ -23,8 +23,10 @@ from .engine_loader import (
     resolve_runtime,
 )
 from .executor import Executor, LocalExecutor
+from .kernel_store import install_engine_kernels
 from .speculative import SpeculativeConfig, speculative_config_of
 from .speculative.speculator import make_speculator
+from .startup_log import StartupLog
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -42,12 +44,13 @@ def kv_cache_scales(info: EngineInfo) -> KVCacheScales | None:
     return scales
 
 
-def create_executor(info: EngineInfo, runtime: RuntimeConfig) -> Executor:
+def create_executor(info: EngineInfo, runtime: RuntimeConfig, startup: StartupLog | None = None) -> Executor:
     """The executor for the engine's mapping: one rank in this process, or rank 0 of a tensor-parallel
     engine (which starts the other ranks, unless a launcher such as torchrun started them). Refuses, before
     allocating anything, an engine whose formats the device cannot run or whose KV-cache scales do not fit
     the model. Under a launcher, a process of rank > 0 runs its rank's steps here until rank 0 stops the
-    engine, then exits: the others only run steps."""
+    engine, then exits: the others only run steps. `startup` gets the stages' times."""
+    startup = startup if startup is not None else StartupLog()
     check_device_supports(info.config.build, runtime.device)
     scales = kv_cache_scales(info)
     tp_size = info.config.mapping.tp_size
@@ -55,8 +58,17 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig) -> Executor:
         launch = launch_from_env()
     except ValueError as e:
         raise EngineError(str(e)) from None
+    # Before the first kernel launch (the ranks' load_network installs them too: once per process).
+    kernels = install_engine_kernels(info.spec, runtime.device)
+    startup.add("kernels", kernels.seconds, kernels.describe())
     if tp_size == 1:
-        return LocalExecutor(load_network(info, runtime.device), runtime, scales)
+        with startup.stage("weights"):
+            model = load_network(info, runtime.device)
+        start = time.perf_counter()
+        executor = LocalExecutor(model, runtime, scales)
+        startup.add("profile+allocate", time.perf_counter() - start - executor.graph_capture_seconds)
+        startup.add("graphs", executor.graph_capture_seconds)
+        return executor
     if launch is None:
         launch = local_launch(tp_size)
     elif launch.world_size != tp_size:
@@ -65,7 +77,8 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig) -> Executor:
                           f"--nnodes ... --nproc-per-node ...), or rebuild with --tp-size {launch.world_size}")
     if launch.rank != 0:
         run_worker(info.spec.engine_dir, runtime, launch, scales)  # never returns: the process ends with the engine
-    return TPExecutor(info, runtime, scales, launch)
+    with startup.stage("ranks (weights, allocate, graphs)"):
+        return TPExecutor(info, runtime, scales, launch)
 
 
 def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
@@ -75,10 +88,12 @@ def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
     proposer (a draft engine, loaded on the same device, or n-gram lookup) for speculative decoding. Every
     failure is an EngineError or ValueError naming what to change."""
     start = time.perf_counter()
+    startup = StartupLog()
     speculative = speculative_config_of(speculative_config)
-    info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
-    runtime = resolve_runtime(info, **runtime_options)
-    executor = create_executor(info, runtime)
+    with startup.stage("load/verify"):
+        info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
+        runtime = resolve_runtime(info, **runtime_options)
+    executor = create_executor(info, runtime, startup)
     speculator = None
     if speculative is not None:
         try:
@@ -87,8 +102,8 @@ def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
             executor.shutdown()
             raise
     engine = LLMEngine(info, runtime, executor, speculator)
-    logger.info("engine %s (%s, %s, %s) ready in %.2fs", info.spec.engine_dir, info.spec.architecture,
-                info.config.build.dtype, runtime.device, time.perf_counter() - start)
+    logger.info("engine %s (%s, %s, %s) ready in %.2fs: %s", info.spec.engine_dir, info.spec.architecture,
+                info.config.build.dtype, runtime.device, time.perf_counter() - start, startup.summary())
     return engine
 
 

@@ -32,6 +32,7 @@ from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.spec import QuantSpec
 
 from .kernel_settings import install_kernel_settings
+from .kernel_store import install_engine_kernels
 from .memory import check_fraction
 
 logger = logging.getLogger("kiln.runtime")
@@ -238,6 +239,7 @@ def load_network(info: EngineInfo, device: torch.device, rank: int = 0, comm: TP
     path = info.spec.rank_file(rank)
     quant = engine_quant_config(info)
     install_kernel_settings(info.spec, device)
+    install_engine_kernels(info.spec, device)  # before any launch; once per engine in a process
     with torch.device("meta"):
         model = build_network(info.model_def, info.model_config, quant, info.config.mapping.for_rank(rank),
                               dtype=info.config.build.torch_dtype, comm=comm)

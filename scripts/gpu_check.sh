@@ -8,6 +8,10 @@
 #   KILN_SKIP_TESTS=1 / KILN_SKIP_BENCH=1         # one half only
 #   KILN_BENCH_QFORMAT=fp8|int4_awq|int8_sq|int8_wo|int4_wo KILN_BENCH_KV=fp8|int8   # a quantized dummy engine
 #   KILN_BENCH_MAX_BATCH=256                      # the engine's max_batch_size (default 1024)
+#   KILN_NO_KERNELS=1                             # build without stored kernels (--no-kernels): Triton compiles at start
+#
+# Before the benchmarks it starts the engine once with an empty Triton cache (a first start on a new machine) and
+# prints the startup log's stage times and how many kernels Triton still compiled (SUMMARY startup-first).
 #
 # Installs kiln (not editable; no dependencies: the machine's torch, triton, transformers are used) and runs
 # pytest from tests/, where the top-level kiln/ folder of the checkout would not shadow the installed package.
@@ -16,12 +20,15 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="${OUT:-/tmp/kiln-gpu-check}"
 qformat="${KILN_BENCH_QFORMAT:-}"
 kv_dtype="${KILN_BENCH_KV:-}"
+no_kernels="${KILN_NO_KERNELS:-0}"
 suffix="${qformat:+-$qformat}${kv_dtype:+-kv$kv_dtype}"
+[ "$no_kernels" = 1 ] && suffix+="-nokernels"
 max_batch="${KILN_BENCH_MAX_BATCH:-1024}"
 engine="${KILN_BENCH_ENGINE:-/tmp/kiln-llama-3.1-8b-dummy$suffix-b$max_batch}"
 quant_flags=()
 [ -n "$qformat" ] && quant_flags+=(--qformat "$qformat")
 [ -n "$kv_dtype" ] && quant_flags+=(--kv-cache-dtype "$kv_dtype")
+[ "$no_kernels" = 1 ] && quant_flags+=(--no-kernels)
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation "$repo" 2>&1 | tail -n 3
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SUMMARY install: FAILED"; exit 1; }
@@ -66,6 +73,19 @@ EOF
 )")
 }
 
+startup() {  # startup NAME: the engine's first start with an empty Triton cache; the stage times of its log
+  local name=$1 cache
+  cache=$(mktemp -d)
+  echo "== first start (empty Triton cache): kiln bench latency --input-len 128 --output-len 8 --num-iters 1"
+  TRITON_CACHE_DIR="$cache" kiln --log-level INFO bench latency --engine "$engine" --input-len 128 --output-len 8 \
+    --num-iters 1 --output "$out/$name.json" >"$out/$name.txt" 2>&1 || status=1
+  grep -E "ready in|kernels of engine|captured CUDA graphs" "$out/$name.txt"
+  # Stored kernels are installed without their IRs: a .ptx file in the cache is a kernel Triton compiled here.
+  summary+=("SUMMARY $name: $(grep -o 'ready in .*' "$out/$name.txt" | tail -n 1); Triton compiled" \
+            "$(find "$cache" -name '*.ptx' | wc -l) kernels")
+  rm -rf "$cache"
+}
+
 if [ "${KILN_SKIP_BENCH:-0}" != 1 ]; then
   if [ ! -f "$engine/engine.json" ]; then
     start=$(date +%s)
@@ -74,6 +94,7 @@ if [ "${KILN_SKIP_BENCH:-0}" != 1 ]; then
       || { echo "SUMMARY build: FAILED"; exit 1; }
     summary+=("SUMMARY build: llama-3.1-8b dummy engine$suffix in $(( $(date +%s) - start )) s")
   fi
+  startup startup-first$suffix
   bench latency-128-256$suffix latency --input-len 128 --output-len 256
   bench throughput-128-128$suffix throughput --input-len 128 --output-len 128 --num-requests 3000
   if [ "${KILN_BENCH_FULL:-0}" = 1 ]; then

@@ -80,7 +80,8 @@ def test_dummy_weight_builds_of_the_benchmark_configs_have_their_shapes(tmp_path
     # A dummy build of a shrunken Qwen3-MoE config runs end to end.
     small = json.loads((configs / "qwen3-30b-a3b" / "config.json").read_text())
     small.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 moe_intermediate_size=16, intermediate_size=64, vocab_size=512, num_experts=16)
+                 moe_intermediate_size=16, intermediate_size=64, vocab_size=512, num_experts=16,
+                 eos_token_id=1, bos_token_id=0)  # the real ids lie outside the shrunken vocabulary
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(small))
     engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildConfig(dummy_weights=True, dtype="float32"),

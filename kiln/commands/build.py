@@ -44,9 +44,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks the engine is split over, one process and GPU each; writes "
                         "rank0..rank{N-1}.safetensors (default: 1)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="build even if a checkpoint tensor holds NaN or Inf values (warn, naming it, instead of "
+                        "refusing); such an engine may generate NaN logits, i.e. empty text")
     p.add_argument("--no-tune", action="store_true",
                    help="with --device cuda: skip timing the kernels' launch settings on this GPU (the runtime then "
                         "uses its shape heuristics; saves the tuning time of a quantized build)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="with --device cuda: do not compile the kernels and store them in the engine (kernels/); "
+                        "the runtime then compiles them at first use on each machine (half a minute for an 8B "
+                        "model), as Triton does by default")
     q = p.add_argument_group("quantization")
     q.add_argument("--qformat", default="full_prec",
                    choices=["full_prec", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"], help=QFORMAT_HELP)
@@ -67,6 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.builder.build import build_engine
     from kiln.builder.build_config import BuildConfig
+    from kiln.builder.kernel_store import stored_kernels_line
 
     from .build_summary import engine_summary
     from .text_file import read_text_arg
@@ -79,13 +87,16 @@ def run(args: argparse.Namespace) -> int:
                          kv_cache_dtype=args.kv_cache_dtype, awq_block_size=args.awq_block_size,
                          calib_dataset=args.calib_dataset, calib_size=args.calib_size,
                          calib_max_seq_len=args.calib_max_seq_len, tp_size=args.tp_size,
-                         tune=not args.no_tune)
+                         tune=not args.no_tune, allow_non_finite=args.allow_non_finite,
+                         kernels=args.device == "cuda" and not args.no_kernels)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
     dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]
     picked = f" ({dtype}, picked by --dtype auto for {args.device})" if args.dtype == "auto" else f" ({dtype})"
     print(f"engine written to {out}{picked} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     print(engine_summary(out), file=sys.stderr)
+    if kernels_line := stored_kernels_line(out):
+        print(kernels_line, file=sys.stderr)
     if eval_text is not None:
         from .build_eval import compare_perplexity
 

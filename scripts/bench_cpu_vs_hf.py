@@ -64,7 +64,7 @@ def prompt_ids(tokenizer, batch_size: int) -> list[list[int]]:
 def mixed_requests(tokenizer, batch_size: int, output_len: int) -> tuple[list[list[int]], list[int]]:
     """Prompts of 16..384 tokens and output lengths of min(32, output_len)..2 * output_len, spread over the
     batch, the output lengths in another order than the prompt lengths (deterministic)."""
-    sample = Path(__file__).resolve().parents[1] / "quant" / "data" / "calibration-sample.txt"
+    sample = Path(__file__).resolve().parents[1] / "kiln" / "quant" / "data" / "calibration-sample.txt"
     text_ids = tokenizer(sample.read_text()[:200_000])["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     span, low = max(1, batch_size - 1), min(32, output_len)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 MODULES = ("textwrap", "functools", "dataclasses", "heapq", "bisect", "fractions", "statistics", "shlex", "csv",
            "pprint", "contextlib")
-OUT = Path(__file__).resolve().parent.parent / "quant" / "data" / "calibration-sample.txt"
+OUT = Path(__file__).resolve().parent.parent / "kiln" / "quant" / "data" / "calibration-sample.txt"
 
 
 def main() -> None:

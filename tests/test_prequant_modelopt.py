@@ -202,7 +202,7 @@ def test_bundled_model_perplexity_equals_modelopts_own(tmp_path, name, kv):
     tokenizer = transformers.AutoTokenizer.from_pretrained(source)
     text = (EXAMPLES / "heldout-sample.txt").read_text()
     ids = tokenizer.encode(text)
-    calib = tokenizer.encode((Path(__file__).resolve().parent.parent / "quant" / "data" /
+    calib = tokenizer.encode((Path(__file__).resolve().parent.parent / "kiln" / "quant" / "data" /
                               "calibration-sample.txt").read_text()[:40_000])
     samples = [calib[i:i + 256] for i in range(0, 256 * 12, 256)]
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()

@@ -31,7 +31,7 @@ class ServeConfig:
     # None: the larger of 1,000,000 and 8 × the engine's max_seq_len (limits.default_max_prompt_chars).
     max_prompt_chars: int | None = None
     shutdown_timeout_s: float = 30.0  # SIGTERM: running requests get this long, then are aborted
-    # Abuse limits (see README "Serving: limits"): admission, connections, time.
+    # Abuse limits (see docs/serving.md, "Held under abuse"): admission, connections, time.
     max_queued_requests: int = 1024  # admitted but not yet running; more get 429 / RESOURCE_EXHAUSTED
     max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
     keep_alive_timeout_s: float = 5.0  # idle connections, and ones that send no complete request head, close

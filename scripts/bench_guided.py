@@ -5,7 +5,7 @@
 
 Per step, `GuidedMasker.token_mask` (fill xgrammar's bitmask for every constrained row and unpack it into the
 [rows, vocab] bool mask) and `accept` (advance each row's matcher past its token) for N rows all constrained
-by the README's schema (or --schema). Tokens are drawn at random among the allowed ones (not timed), so the matchers walk
+by the default schema (or --schema). Tokens are drawn at random among the allowed ones (not timed), so the matchers walk
 through every part of the schema; a matcher that ends starts over. Prints the median and p90 over --steps
 timed steps (after 20 untimed ones) and the compile time of the schema: cold (a new compiler, its
 TokenizerInfo timed apart) and cached.
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--eos", type=int, nargs="+", default=None, help="EOS ids (default: the tokenizer's)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--schema", type=Path, default=None, help="a JSON schema file (default: the README's)")
+    parser.add_argument("--schema", type=Path, default=None, help="a JSON schema file (default: a small object schema)")
     args = parser.parse_args()
     schema = json.loads(args.schema.read_text()) if args.schema else SCHEMA
 

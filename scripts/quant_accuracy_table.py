@@ -1,4 +1,4 @@
-"""README's quantization accuracy table: kiln-tiny-code built in each format (default calibration: kiln's
+"""docs/quantization.md's accuracy table: kiln-tiny-code built in each format (default calibration: kiln's
 sample, --calib-size 512, --calib-max-seq-len 512), its `kiln eval perplexity` on the held-out sample next
 to the full-precision engine's, the engine size and the calibration time.
 

@@ -1,4 +1,4 @@
-"""Acceptance of speculative decoding on the bundled pair, for README's table.
+"""Acceptance of speculative decoding on the bundled pair, for docs/features.md's table.
 
 Runs kiln-tiny-code with each proposer (its draft model, n-gram lookup) for K = 1..5, greedy and at
 temperature 0.8 (seeded), over windows of the held-out code sample (`examples/heldout-sample.txt`, text the

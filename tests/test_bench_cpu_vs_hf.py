@@ -1,4 +1,4 @@
-"""scripts/bench_cpu_vs_hf.py, the CPU comparison with transformers that README's table comes from: its mixed
+"""scripts/bench_cpu_vs_hf.py, the CPU comparison with transformers that docs/performance.md's table comes from: its mixed
 workload's request lengths, and a short run of each workload (kiln and transformers agree token for token)."""
 
 from __future__ import annotations

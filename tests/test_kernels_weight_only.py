@@ -162,7 +162,7 @@ def test_launch_config_keeps_steps_in_one_group_and_splits_small_outputs():
 
 @needs_triton
 def test_int4_group_step_is_taken_at_one_token_only():
-    """The one-token INT4 path was 25% slower at 16 tokens and 2.5-7x slower from 32 on an H100 (README): every
+    """The one-token INT4 path was 25% slower at 16 tokens and 2.5-7x slower from 32 on an H100 (docs/performance.md): every
     other token count, INT8 and act-order launches dequantize each step."""
     from kiln.plugins.triton_weight_only import _int4_fast, _launch_config
 

@@ -1,6 +1,6 @@
 """Quantized engines of the bundled kiln-tiny-code keep its perplexity on the held-out sample close to the
 full-precision engine's, through the runtime with in-flight batching, chunked prefill and the prefix cache
-(the README's accuracy table is this test's measurement with the default calibration size)."""
+(docs/quantization.md's accuracy table is this test's measurement with the default calibration size)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kiln.builder.checkpoint import CheckpointError, CheckpointReader
+from kiln.checkpoints.reader import CheckpointError, CheckpointReader
 
 torch.manual_seed(0)
 TENSORS = {
@@ -113,7 +113,7 @@ class _NoLoadHandle:
 
 
 def test_safetensors_shape_and_dtype_do_not_load_the_tensor(tmp_path, monkeypatch):
-    import kiln.builder.checkpoint as checkpoint
+    import kiln.checkpoints.reader as checkpoint
 
     real_safe_open = checkpoint.safe_open
     monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: _NoLoadHandle(real_safe_open(*a, **k)))

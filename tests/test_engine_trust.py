@@ -15,10 +15,10 @@ import pytest
 
 from kiln.builder.build import BuildError, _check_output, build_engine
 from kiln.builder.build_config import BuildConfig
-from kiln.builder.staging import staged_directory
 from kiln.cli import main
 from kiln.engine_format import EngineError, file_entry
 from kiln.engine_format import verify as verify_module
+from kiln.engine_format.staging import staged_directory
 from kiln.engine_format.stamps import stamp_file
 from kiln.runtime import LLM
 from kiln.runtime.engine_loader import load_engine_info

@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
-from kiln.builder.build_owner import OWNER_FILE
-from kiln.builder.staging import staged_directory
 from kiln.cli import main
 from kiln.engine_format import EngineError
+from kiln.engine_format.build_owner import OWNER_FILE
 from kiln.engine_format.limits import check_build_limits
+from kiln.engine_format.staging import staged_directory
 from kiln.runtime.engine_loader import load_engine_info
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -332,7 +332,7 @@ def test_staging_of_another_host_or_without_owner_is_left(tmp_path, caplog):
 _HOLD_STAGING = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from kiln.builder.staging import staged_directory
+    from kiln.engine_format.staging import staged_directory
     with staged_directory(Path(sys.argv[1])) as staging:
         print(staging, flush=True)
         time.sleep(120)

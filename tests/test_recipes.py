@@ -12,7 +12,7 @@ from model_factory import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kiln.builder.build import BuildError, checkpoint_producer, load_model_config, param_specs
-from kiln.builder.checkpoint import CheckpointReader
+from kiln.checkpoints.reader import CheckpointReader
 from kiln.model_defs.recipes import Concat, Recipe, Single, Stack, consumed_parts, fused_recipe, fused_recipes
 
 ATTN = "model.layers.3.self_attn"

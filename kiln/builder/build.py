@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import kiln
+from kiln.checkpoints.reader import CheckpointError, CheckpointReader
 from kiln.engine_format import (
     ENGINE_DTYPES,
     ENGINE_JSON,
@@ -37,6 +38,7 @@ from kiln.engine_format import (
 )
 from kiln.engine_format.limits import check_build_limits
 from kiln.engine_format.ownership import engine_manifest_paths, foreign_entries
+from kiln.engine_format.staging import staged_directory
 from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_hf_config
 from kiln.model_defs.config import token_id_list
 from kiln.model_defs.recipes import Recipe, consumed_parts
@@ -44,7 +46,6 @@ from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.prequant.detect import detect_checkpoint_quantization
 
 from .build_config import BuildConfig
-from .checkpoint import CheckpointError, CheckpointReader
 from .dummy_weights import dummy_tensor
 from .finite_check import finite_reader
 from .kernel_store import KernelStoreError, with_stored_kernels
@@ -60,7 +61,6 @@ from .quantize import (
 from .quantize import producer as quant_producer
 from .safetensors_writer import TensorSpec, specs_of, write_safetensors_split
 from .sharding import ShardingError, plan_sharding
-from .staging import staged_directory
 
 logger = logging.getLogger("kiln.builder")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from kiln.checkpoints.reader import CheckpointError
 
 logger = logging.getLogger("kiln.builder")
 

@@ -22,24 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-# safetensors dtype name -> torch dtype. The reader (checkpoint.py) uses the same table.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+from kiln.checkpoints.reader import SAFETENSORS_DTYPES
+
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 # Large tensors go out in slices so the progress bar moves and no extra copy is made.

@@ -4,8 +4,8 @@
 (sizes, and sha256 trusted through `stamps` once matched), `config` types its build_config and `mapping`
 its rank layout, `limits` bounds the build limits (for the builder's flags and engine.json alike),
 `json_fields` checks a JSON object against the dataclass it becomes, and `ownership` says whether a
-directory is an engine that a build may replace. The runtime imports this package, never
-the builder.
+directory is an engine that a build may replace; `staging` (with `build_owner`) writes a directory all at once
+(engines, and serve's Triton repositories). The runtime imports this package, never the builder.
 """
 
 from .config import ENGINE_DTYPES, EngineBuildConfig, EngineConfig, read_engine_config

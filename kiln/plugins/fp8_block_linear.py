@@ -25,7 +25,7 @@ from ._checks import (
 )
 from ._eager import KernelOp
 from ._triton import USE_TRITON
-from .quant_linear import FP8_MAX, MIN_DYNAMIC_SCALE
+from .quant_limits import FP8_MAX, MIN_DYNAMIC_SCALE
 
 
 def _cdiv(a: int, b: int) -> int:

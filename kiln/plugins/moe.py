@@ -30,17 +30,7 @@ from ._checks import (
 from ._eager import KernelOp
 from ._triton import USE_TRITON
 from .activation import silu_and_mul_reference
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing rule shared by the reference and the kernels. router_logits: [T, E] -> (weights [T, k] in
-    `dtype`, expert ids [T, k] int64), most probable first."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids
+from .moe_route import route
 
 
 def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,

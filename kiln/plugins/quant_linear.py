@@ -29,12 +29,8 @@ from ._checks import (
 from ._eager import KernelOp, runs_reference_directly
 from ._triton import USE_TRITON
 from .int4_pack import unpack_int4
+from .quant_limits import FP8_MAX, INT8_MAX, MIN_DYNAMIC_SCALE
 
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-INT8_MAX = 127.0
-# Floor of a dynamic per-token scale: an all-zero row would otherwise divide 0 by 0 (NaN); with the floor it
-# quantizes to zeros and gives zeros.
-MIN_DYNAMIC_SCALE = 1e-12
 SCALED_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import route
+from .moe_route import route
 from .triton_activation import _exp
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_linear import FP8_MAX, MIN_DYNAMIC_SCALE
+from .quant_limits import FP8_MAX, MIN_DYNAMIC_SCALE
 from .triton_activation import _exp
 from .triton_norm import _ELEMENTS_PER_PROGRAM
 from .triton_rotary_kv import _to_cache

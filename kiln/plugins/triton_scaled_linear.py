@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import tuning
 from ._triton import sm_count as _sm_count
-from .quant_linear import FP8_MAX, INT8_MAX, MIN_DYNAMIC_SCALE
+from .quant_limits import FP8_MAX, INT8_MAX, MIN_DYNAMIC_SCALE
 from .triton_rotary_kv import _to_cache
 
 _MIN_SCALE = tl.constexpr(MIN_DYNAMIC_SCALE)

@@ -12,27 +12,17 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
+# QuantConfig is defined beside the LinearFactory that asks it (model_defs sits below quant and must not
+# import it); re-exported here, where the formats and the builder look for it.
 from kiln.model_defs.layers.linear import LinearMethod
+from kiln.model_defs.layers.linear import QuantConfig as QuantConfig
 
 
 class QuantError(ValueError):
     """A format a layer, file or setting cannot take; the message names the layer, file or flag."""
-
-
-@runtime_checkable
-class QuantConfig(Protocol):
-    """Chooses how each linear layer of a network stores and multiplies its weights."""
-
-    def linear_method(self, prefix: str, in_features: int, out_features: int,
-                      dtype: torch.dtype) -> LinearMethod | None:
-        """The method for the layer at module path `prefix` (e.g. "model.layers.0.mlp.down_proj", or
-        "lm_head"), whose activations are `dtype`; None leaves that layer unquantized. Raises QuantError
-        naming the layer and its sizes when the format cannot take them."""
-        ...
 
 
 @dataclass(frozen=True)

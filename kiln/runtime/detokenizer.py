@@ -10,8 +10,9 @@ except ImportError:
     DecodeStream = None
 
 # Prompt tokens kept as decoding context, so the first output token decodes as it does mid-text
-# (SentencePiece/Llama tokenizers drop the leading space of the first token of a decode).
-_PROMPT_CONTEXT_TOKENS = 5
+# (SentencePiece/Llama tokenizers drop the leading space of the first token of a decode). Public: serve's
+# echoed prompts decode with the same context.
+PROMPT_CONTEXT_TOKENS = 5
 # Byte-level BPE decodes an incomplete UTF-8 sequence to this; such text is not final yet.
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -43,7 +44,7 @@ class IncrementalDetokenizer:
         self._stop_overlap = max((len(s) for s in self._stop), default=1) - 1
         self._tokens: list[int] = []
         if tokenizer is not None:
-            self._tokens = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+            self._tokens = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
             if self._decode(self._tokens).endswith(_REPLACEMENT_CHAR):
                 # The prompt ends inside a character: its bytes would merge with the first output
                 # bytes, and the output text would no longer equal decoding the output ids alone.

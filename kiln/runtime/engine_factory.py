@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from pathlib import Path
 
 from kiln.engine_format import ENGINE_JSON, EngineError
@@ -25,7 +26,7 @@ from .engine_loader import (
 from .executor import Executor, LocalExecutor
 from .kernel_store import install_engine_kernels
 from .speculative import SpeculativeConfig, speculative_config_of
-from .speculative.speculator import make_speculator
+from .speculative.speculator import Speculator, make_speculator
 from .startup_log import StartupLog
 
 logger = logging.getLogger("kiln.runtime")
@@ -97,14 +98,28 @@ def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
     speculator = None
     if speculative is not None:
         try:
-            speculator = make_speculator(speculative, info, runtime, verify_checksums=verify_checksums)
+            speculator = make_speculator(speculative, info, runtime, create_executor=create_executor,
+                                         verify_checksums=verify_checksums)
         except BaseException:
             executor.shutdown()
             raise
     engine = LLMEngine(info, runtime, executor, speculator)
+    # An engine dropped without shutdown() (a notebook's `del llm`) still stops a tensor-parallel engine's
+    # ranks and leaves its groups: on the engine, not the executor, whose watcher thread keeps it alive.
+    weakref.finalize(engine, release_executor, executor, speculator)
     logger.info("engine %s (%s, %s, %s) ready in %.2fs: %s", info.spec.engine_dir, info.spec.architecture,
                 info.config.build.dtype, runtime.device, time.perf_counter() - start, startup.summary())
     return engine
+
+
+def release_executor(executor: Executor, speculator: Speculator | None = None) -> None:
+    """What a dropped engine's finalizer does: stops the draft's ranks and the engine's (both idempotent, so an
+    engine shut down already costs nothing)."""
+    try:
+        if speculator is not None:
+            speculator.shutdown()
+    finally:
+        executor.shutdown()
 
 
 def engine_from_loaded(loaded: LoadedEngine, runtime: RuntimeConfig) -> LLMEngine:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kiln.runtime.detokenizer import _PROMPT_CONTEXT_TOKENS
+from kiln.runtime.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ def stop_string(tokenizer, params: SamplingParams, eos_token_ids: frozenset[int]
     if (last in params.stop_token_ids or (last in eos_token_ids and not params.ignore_eos)) \
             and len(out.token_ids) > params.min_tokens:
         return ""  # ended by a stop token, not a stop string
-    context = list(out.prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+    context = list(out.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
 
     def text(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,

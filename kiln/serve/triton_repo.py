@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.builder.staging import staged_directory
 from kiln.engine_format import load_engine_spec
+from kiln.engine_format.staging import staged_directory
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
 MODEL_SOURCE = Path(__file__).with_name("triton_python_model.py")

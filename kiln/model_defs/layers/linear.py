@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,6 @@ from .parallel import FeatureShard, TPComm, even_shard, gather_vocab, head_shard
 
 if TYPE_CHECKING:
     from kiln.engine_format.mapping import Mapping
-    from kiln.quant.base import QuantConfig
 
 Parallelism = Literal["column", "row", "replicated", "vocab"]
 
@@ -149,6 +148,20 @@ class TiedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)  # x: [T, in] -> [T, out]
         return y if self.collective is None else self.collective(y)
+
+
+# Defined here, where it is used, rather than in kiln.quant (which builds on LinearMethod): the formats
+# implement it, and `kiln.quant.base` re-exports it as their home name.
+@runtime_checkable
+class QuantConfig(Protocol):
+    """Chooses how each linear layer of a network stores and multiplies its weights."""
+
+    def linear_method(self, prefix: str, in_features: int, out_features: int,
+                      dtype: torch.dtype) -> LinearMethod | None:
+        """The method for the layer at module path `prefix` (e.g. "model.layers.0.mlp.down_proj", or
+        "lm_head"), whose activations are `dtype`; None leaves that layer unquantized. Raises QuantError
+        naming the layer and its sizes when the format cannot take them."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kiln.checkpoints.reader import CheckpointError, CheckpointReader
 from kiln.model_defs.layers.linear import Linear
 from kiln.plugins.int4_pack import pack_int4
 
@@ -117,9 +118,6 @@ def _any_scattered_groups(checkpoint: Path, names: set[str], group_size: int | N
     g_idx_names = sorted(n for n in names if n.endswith(".g_idx"))
     if not g_idx_names:
         return False
-    # Imported here: the builder imports kiln.quant, not the other way round.
-    from kiln.builder.checkpoint import CheckpointError, CheckpointReader
-
     try:
         with CheckpointReader(checkpoint) as reader:
             for name in g_idx_names:

@@ -1,7 +1,7 @@
 """The process groups of one tensor-parallel engine, and the messages that cross them.
 
 Every rank meets at the launch's store (`store.py`: on MASTER_ADDR:MASTER_PORT, hosted by rank 0 or by
-torchrun's agent, entered by proving the launch's secret). The default group runs the network's collectives
+torchrun's agent, entered by proving the launch's secret). The device group runs the network's collectives
 (NCCL on GPUs, gloo on CPUs); a gloo group carries rank 0's step to a launcher's ranks (the bytes of
 `step_codec`, with a MAC) and the startup agreement. The store carries what a failing rank has to say
 (`post_error`) and tells the ranks that rank 0 is still there. When every rank is on this machine
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import RankLaunch
+from .own_group import OwnGroup
 from .store import launch_secret, open_store
 
 logger = logging.getLogger("kiln.runtime")
@@ -55,33 +56,35 @@ class RankGroups:
         self.store = admission.store
         self._step_key = admission.step_key
         self._step_count = 0  # messages sent (rank 0) or received (others): each MAC covers its number
+        # The engine's own groups, not torch.distributed's default one (`own_group.py`): several engines may
+        # live in one process, and a dropped one leaves nothing behind.
         with _loopback_sockets() if launch.single_host else contextlib.nullcontext():
-            dist.init_process_group(self.backend, store=self.store, rank=launch.rank, world_size=launch.world_size,
-                                    timeout=IDLE_TIMEOUT if self.backend == "gloo" else None)
-            self.device_group = dist.group.WORLD
+            self.device_group = OwnGroup(self.backend, dist.PrefixStore("device/", self.store), launch.rank,
+                                         launch.world_size, IDLE_TIMEOUT if self.backend == "gloo" else None)
             self.cpu_group = (self.device_group if self.backend == "gloo" else
-                              dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+                              OwnGroup("gloo", dist.PrefixStore("cpu/", self.store), launch.rank,
+                                       launch.world_size, IDLE_TIMEOUT))
             if self.backend == "nccl":
                 # NCCL makes its communicator (and its bootstrap socket) at the first collective and reads
                 # NCCL_SOCKET_IFNAME once per process: make it now, while the variable says loopback.
-                dist.all_reduce(torch.zeros(1, device=device), group=self.device_group)
+                self.device_group.all_reduce(torch.zeros(1, device=device))
 
     def send_step(self, data: bytes) -> None:
         """Rank 0: the next message (`step_codec` bytes) to every other rank, with a MAC under the launch's
         step key over its number and bytes, so a rank takes only rank 0's messages, in order."""
         frame = self._mac(data) + data
-        dist.broadcast(torch.tensor([len(frame)], dtype=torch.int64), src=0, group=self.cpu_group)
-        dist.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), src=0, group=self.cpu_group)
+        self.cpu_group.broadcast(torch.tensor([len(frame)], dtype=torch.int64))
+        self.cpu_group.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
 
     def receive_step(self) -> bytes:
         """Ranks 1..: waits for rank 0's next message; ConnectionError for a frame whose MAC does not check."""
         size = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.cpu_group)
+        self.cpu_group.broadcast(size)
         length = int(size.item())
         if not _MAC_BYTES <= length <= MAX_STEP_BYTES:
             raise ConnectionError(f"step channel: a frame of {length} bytes is not a message from rank 0")
         frame = torch.empty(length, dtype=torch.uint8)
-        dist.broadcast(frame, src=0, group=self.cpu_group)
+        self.cpu_group.broadcast(frame)
         raw = frame.numpy().tobytes()
         mac, data = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
         if not hmac.compare_digest(mac, self._mac(data)):
@@ -98,7 +101,7 @@ class RankGroups:
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory holds)."""
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        self.cpu_group.all_reduce(t, dist.ReduceOp.MIN)
         return int(t.item())
 
     def post_error(self, message: str) -> None:
@@ -143,7 +146,7 @@ class RankGroups:
     def abort(self) -> None:
         """Makes collectives blocked on a dead peer return with an error (NCCL would wait for it forever)."""
         try:
-            dist.distributed_c10d._abort_process_group(self.device_group)
+            self.device_group.abort()
         except Exception as e:  # an abort that fails leaves the caller's last resort: exiting
             logger.warning("could not abort the process group: %s", e)
 
@@ -152,7 +155,8 @@ class RankGroups:
         or on a CUDA graph that captured a collective and is still alive, must not hang the caller's exit)."""
         def leave() -> None:
             try:
-                dist.destroy_process_group()
+                for group in {id(g): g for g in (self.device_group, self.cpu_group)}.values():
+                    group.shutdown()
             except Exception as e:  # nothing to do about a group that cannot be torn down on the way out
                 logger.debug("leaving the process groups: %s", e)
 

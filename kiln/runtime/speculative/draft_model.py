@@ -11,7 +11,7 @@ of its own (no prefix cache), and a request it cannot hold is simply not specula
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +20,15 @@ from kiln.engine_format import EngineError
 
 from ..block_manager import BlockManager
 from ..engine_loader import EngineInfo, RuntimeConfig, load_engine_info, resolve_runtime
+from ..executor import Executor
 from ..model_step import StepInput
 from ..sampler import Sampler, SamplingRow
 from ..scheduler import ScheduledRequest, SchedulerOutput
 from .proposer import DraftRequest, Proposal
+
+# Makes the executor of an engine (engine_factory.create_executor). Passed in by the factory rather than
+# imported: the factory imports the engine, which imports the speculator, which loads this proposer.
+ExecutorFactory = Callable[[EngineInfo, RuntimeConfig], Executor]
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -70,10 +75,9 @@ class DraftModelProposer:
 
     @classmethod
     def load(cls, engine_dir: str, target: EngineInfo, target_runtime: RuntimeConfig, *,
-             verify_checksums: bool = True) -> DraftModelProposer:
-        """Loads the draft engine on the target's device with limits no larger than the target's."""
-        from ..engine_factory import create_executor  # the factory imports the proposers' module
-
+             create_executor: ExecutorFactory, verify_checksums: bool = True) -> DraftModelProposer:
+        """Loads the draft engine on the target's device with limits no larger than the target's;
+        `create_executor` makes its executor (the engine factory's)."""
         try:
             info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
         except EngineError as e:

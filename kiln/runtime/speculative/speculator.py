@@ -127,9 +127,12 @@ class Speculator:
         self.proposer.shutdown()
 
 
-def make_speculator(config: SpeculativeConfig, target, runtime, *, verify_checksums: bool = True) -> Speculator:
+def make_speculator(config: SpeculativeConfig, target, runtime, *, create_executor,
+                    verify_checksums: bool = True) -> Speculator:
     """The speculator `config` asks for, its proposer loaded for the target engine (`EngineInfo`) and its
-    `RuntimeConfig`: a draft engine on the same device, or n-gram lookup."""
+    `RuntimeConfig`: a draft engine on the same device, or n-gram lookup. `create_executor(info, runtime)`
+    makes the draft engine's executor (`draft_model.ExecutorFactory`; passed in so that this package never
+    imports the engine factory, which imports the engine)."""
     if config.method == "ngram":
         from .ngram import NgramProposer
 
@@ -137,5 +140,6 @@ def make_speculator(config: SpeculativeConfig, target, runtime, *, verify_checks
     else:
         from .draft_model import DraftModelProposer
 
-        proposer = DraftModelProposer.load(config.model, target, runtime, verify_checksums=verify_checksums)
+        proposer = DraftModelProposer.load(config.model, target, runtime, create_executor=create_executor,
+                                           verify_checksums=verify_checksums)
     return Speculator(config, proposer, runtime.max_seq_len)

@@ -1,4 +1,6 @@
-"""Writing a directory all at once: into a fresh staging directory beside it, moved into place at the end."""
+"""Writing a directory all at once: into a fresh staging directory beside it, moved into place at the end.
+
+Here, below both, because the builder writes engines this way and serve writes Triton model repositories."""
 
 from __future__ import annotations
 

@@ -10,7 +10,24 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .safetensors_writer import SAFETENSORS_DTYPES
+# safetensors dtype name -> torch dtype. The builder's writer (safetensors_writer.py) uses the same table.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"

@@ -9,6 +9,8 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+from kiln.runtime.options import FIELD_NAMES as RUNTIME_FIELDS
+from kiln.runtime.options import RuntimeOptions
 from kiln.serve.config import ServeConfig
 from kiln.serve.server import KilnServer
 
@@ -102,8 +104,10 @@ class ServerThread:
 
 
 def start_server(engine: Path, **overrides) -> ServerThread:
+    """A server over `engine`; `overrides` are ServeConfig fields or RuntimeOptions fields (max_batch_size=1)."""
+    runtime = {name: overrides.pop(name) for name in list(overrides) if name in RUNTIME_FIELDS}
     config = ServeConfig(engine_dir=str(engine), model_name=MODEL_NAME, http_port=0, grpc_port=0, metrics_port=0,
-                         chat_template=CHAT_TEMPLATE, shutdown_timeout_s=5.0)
+                         chat_template=CHAT_TEMPLATE, shutdown_timeout_s=5.0, runtime=RuntimeOptions(**runtime))
     return ServerThread(replace(config, **overrides))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from kiln.runtime import LLM, GuidedDecoding, SamplingParams
 from kiln.runtime.engine_factory import create_engine
+from kiln.runtime.options import RuntimeOptions
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -318,7 +319,7 @@ def test_invalid_constraint_is_refused_before_anything_is_scheduled(llm, guided,
 
 
 def test_without_xgrammar_a_constrained_request_says_how_to_install_it(tiny_code_engine, monkeypatch):
-    engine = create_engine(tiny_code_engine, num_kv_blocks=8)
+    engine = create_engine(tiny_code_engine, RuntimeOptions(num_kv_blocks=8))
     plain = engine.add_request("x = ", SamplingParams(max_tokens=2))  # unconstrained requests never need it
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     for name in ("kiln.runtime.guided_masker", "kiln.runtime.grammar_compiler"):

@@ -30,6 +30,7 @@ TORCH_FREE = (
     "kiln.runtime.sampling_params",
     "kiln.runtime.outputs",
     "kiln.runtime.request_failure",
+    "kiln.runtime.options",  # RuntimeOptions: the one list of runtime options (ServeConfig.runtime, the Triton model)
 )
 
 # (importer prefix, imported prefix, why): no module under the first may import one under the second.

@@ -19,6 +19,7 @@ from kiln.runtime.engine_factory import create_engine
 from kiln.runtime.executor import LocalExecutor
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_step import StepInput, StepResult
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.request import Request
 from kiln.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, SchedulerOutput
 from kiln.runtime.step_inputs import pack_step
@@ -140,7 +141,7 @@ def test_several_tokens_per_step_are_accepted_and_checked_one_by_one(duplicating
 
 
 def test_create_engine_builds_the_local_executor(tiny_code_engine):
-    engine = create_engine(tiny_code_engine, num_kv_blocks=7)
+    engine = create_engine(tiny_code_engine, RuntimeOptions(num_kv_blocks=7))
     assert isinstance(engine.executor, LocalExecutor)
     assert engine.runtime.num_kv_blocks == 7 == engine.block_manager.num_blocks
     assert engine.memory_report.num_kv_blocks == 7 and engine.runtime.cache_dtype == torch.float32

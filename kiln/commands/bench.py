@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .flags import field_flags
-from .runtime_args import add_runtime_args, runtime_kwargs
+from .runtime_args import add_runtime_args, runtime_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,7 +95,7 @@ def run_offline(args: argparse.Namespace) -> int:
                      seed=args.seed,
                      prompt_text=read_text_arg(args.prompt_file, "--prompt-file") if args.prompt_file else None)
     start = time.perf_counter()
-    llm = LLM(args.engine, **runtime_kwargs(args))
+    llm = LLM(args.engine, options=runtime_options(args))
     startup = time.perf_counter() - start
     engine, runtime = llm.engine, llm.engine.runtime
     results = run_latency(llm, spec) if args.bench_kind == "latency" else run_throughput(llm, spec)

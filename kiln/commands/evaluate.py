@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .flags import field_flags
-from .runtime_args import add_runtime_args, runtime_kwargs
+from .runtime_args import add_runtime_args, runtime_options
 from .text_file import read_text_arg
 
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.text_file)
     text = read_text_arg(path, "--text-file")
     start = time.perf_counter()
-    llm = LLM(args.engine, **runtime_kwargs(args))
+    llm = LLM(args.engine, options=runtime_options(args))
     loaded = time.perf_counter()
     result = perplexity(llm, text, max_tokens=args.max_tokens, window_len=args.window)
     done = time.perf_counter()

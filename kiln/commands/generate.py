@@ -8,7 +8,7 @@ import sys
 import time
 
 from .flags import field_flags
-from .runtime_args import add_runtime_args, runtime_kwargs
+from .runtime_args import add_runtime_args, runtime_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     start = time.perf_counter()
-    llm = LLM(args.engine, **runtime_kwargs(args))
+    llm = LLM(args.engine, options=runtime_options(args))
     loaded = time.perf_counter()
     stream = llm.stream(args.prompt, params)
     first = next(stream, None)  # checks the request (prompt length, max_tokens) before anything is printed

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from .flags import field_flags
-from .runtime_args import add_runtime_args, runtime_kwargs
+from .runtime_args import add_runtime_args, runtime_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                          max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
                          keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
-                         **runtime_kwargs(args))
+                         runtime=runtime_options(args))
     try:
         asyncio.run(serve(config))
     except OSError as e:  # a port in use, an address this machine does not have

@@ -13,12 +13,13 @@ if TYPE_CHECKING:
     from .async_llm import AsyncLLM
     from .guided_decoding import GuidedDecoding
     from .llm import LLM
+    from .options import RuntimeOptions
     from .outputs import RequestOutput
     from .sampling_params import SamplingParams
 
 _PUBLIC = {"LLM": ".llm", "AsyncLLM": ".async_llm", "RequestOutput": ".outputs", "SamplingParams": ".sampling_params",
-           "GuidedDecoding": ".guided_decoding"}
-__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding"]
+           "GuidedDecoding": ".guided_decoding", "RuntimeOptions": ".options"}
+__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions"]
 
 
 def __getattr__(name: str):

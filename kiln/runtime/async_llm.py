@@ -21,6 +21,7 @@ from typing import Any
 from .engine import Prompt
 from .engine_factory import create_engine
 from .guided_decoding import GuidedDecoding
+from .options import RuntimeOptions, runtime_options
 from .outputs import RequestOutput
 from .request_failure import EngineDeadError, RequestFailed
 from .sampling_params import SamplingParams
@@ -29,8 +30,10 @@ logger = logging.getLogger("kiln.runtime")
 
 
 class AsyncLLM:
-    def __init__(self, engine_dir: str | Path, **load_kwargs: Any) -> None:
-        self.engine = create_engine(engine_dir, **load_kwargs)
+    """`AsyncLLM(engine_dir, options=RuntimeOptions(...))`, or the options' field names as keywords, as `LLM`."""
+
+    def __init__(self, engine_dir: str | Path, *, options: RuntimeOptions | None = None, **keywords: Any) -> None:
+        self.engine = create_engine(engine_dir, runtime_options(options, keywords, "AsyncLLM"))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (its event loop, its output queue); touched only by the engine thread
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

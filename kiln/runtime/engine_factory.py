@@ -25,7 +25,7 @@ from .engine_loader import (
 )
 from .executor import Executor, LocalExecutor
 from .kernel_store import install_engine_kernels
-from .speculative import SpeculativeConfig, speculative_config_of
+from .options import RuntimeOptions
 from .speculative.speculator import Speculator, make_speculator
 from .startup_log import StartupLog
 
@@ -82,18 +82,18 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig, startup: StartupLo
         return TPExecutor(info, runtime, scales, launch)
 
 
-def create_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
-                  speculative_config: SpeculativeConfig | dict | None = None, **runtime_options) -> LLMEngine:
-    """Loads an engine directory and assembles its engine core. `runtime_options` are those of
-    `engine_loader.resolve_runtime` (device, lower limits, KV-cache size, CUDA graphs); `speculative_config`: the
-    proposer (a draft engine, loaded on the same device, or n-gram lookup) for speculative decoding. Every
-    failure is an EngineError or ValueError naming what to change."""
+def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None) -> LLMEngine:
+    """Loads an engine directory and assembles its engine core, run as `options` say (device, lower limits,
+    KV-cache size, CUDA graphs; `speculative_config`: the proposer, a draft engine loaded on the same device or
+    n-gram lookup; None: the defaults). Every failure is an EngineError or ValueError naming what to change."""
+    options = options if options is not None else RuntimeOptions()
+    verify_checksums = options.verify_checksums
     start = time.perf_counter()
     startup = StartupLog()
-    speculative = speculative_config_of(speculative_config)
+    speculative = options.speculative_config
     with startup.stage("load/verify"):
         info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
-        runtime = resolve_runtime(info, **runtime_options)
+        runtime = resolve_runtime(info, options)
     executor = create_executor(info, runtime, startup)
     speculator = None
     if speculative is not None:

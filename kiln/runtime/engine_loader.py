@@ -33,7 +33,7 @@ from kiln.quant.spec import QuantSpec
 
 from .kernel_settings import install_kernel_settings
 from .kernel_store import install_engine_kernels
-from .memory import check_fraction
+from .options import RuntimeOptions, runtime_options
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -159,10 +159,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def _override(name: str, value: int | None, built: int, flag: str) -> int:
+    """`value` (a positive integer: RuntimeOptions checked it) if within the engine's built limit; None: built."""
     if value is None:
         return built
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
     if value > built:
         raise ValueError(f"{name}={value} exceeds the engine's built limit {built}; rebuild with {flag} {value}")
     return value
@@ -202,23 +201,19 @@ def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch
     return dev
 
 
-def resolve_runtime(info: EngineInfo, *, device: str | torch.device | None = None,
-                    max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                    num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
-                    kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
-                    async_scheduling: bool | None = None) -> RuntimeConfig:
-    """The runtime's limits: the engine's, or lower ones asked for; a ValueError names the one too high."""
+def resolve_runtime(info: EngineInfo, options: RuntimeOptions | None = None, /, **keywords) -> RuntimeConfig:
+    """The runtime's limits: the engine's, or lower ones asked for (`options`, or RuntimeOptions' field names as
+    keywords over it); a ValueError names the one too high."""
+    options = runtime_options(options, keywords, "resolve_runtime")
     build = info.config.build
-    blocks = None if num_kv_blocks is None else _override("num_kv_blocks", num_kv_blocks, 2**31 - 1, "")
     return RuntimeConfig(
-        device=resolve_device(info.spec, device), dtype=build.torch_dtype,
-        max_batch_size=_override("max_batch_size", max_batch_size, build.max_batch_size, "--max-batch-size"),
-        max_num_tokens=_override("max_num_tokens", max_num_tokens, build.max_num_tokens, "--max-num-tokens"),
-        max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=blocks,
-        enable_prefix_caching=enable_prefix_caching,
-        kv_cache_memory_fraction=check_fraction(kv_cache_memory_fraction), cuda_graphs=bool(cuda_graphs),
-        kv_cache_dtype=build.kv_cache_torch_dtype,
-        async_scheduling=None if async_scheduling is None else bool(async_scheduling))
+        device=resolve_device(info.spec, options.device), dtype=build.torch_dtype,
+        max_batch_size=_override("max_batch_size", options.max_batch_size, build.max_batch_size, "--max-batch-size"),
+        max_num_tokens=_override("max_num_tokens", options.max_num_tokens, build.max_num_tokens, "--max-num-tokens"),
+        max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=options.num_kv_blocks,
+        enable_prefix_caching=options.enable_prefix_caching,
+        kv_cache_memory_fraction=options.kv_cache_memory_fraction, cuda_graphs=options.cuda_graphs,
+        kv_cache_dtype=build.kv_cache_torch_dtype, async_scheduling=options.async_scheduling)
 
 
 def engine_quant_config(info: EngineInfo) -> QuantConfig | None:
@@ -258,13 +253,15 @@ def load_network(info: EngineInfo, device: torch.device, rank: int = 0, comm: TP
     return model.eval()
 
 
-def load_engine(engine_dir: str | Path, *, verify_checksums: bool = True,
-                **runtime_options) -> tuple[LoadedEngine, RuntimeConfig]:
+def load_engine(engine_dir: str | Path, options: RuntimeOptions | None = None, /,
+                **keywords) -> tuple[LoadedEngine, RuntimeConfig]:
     """Checks and loads an engine directory with rank 0's weights in this process; every failure is an
-    EngineError or ValueError saying what to do. `runtime_options` are `resolve_runtime`'s."""
+    EngineError or ValueError saying what to do. `options` / `keywords` are `resolve_runtime`'s (speculative_config
+    does not apply: it needs an engine core, see engine_factory.create_engine)."""
     start = time.perf_counter()
-    info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
-    runtime = resolve_runtime(info, **runtime_options)
+    options = runtime_options(options, keywords, "load_engine")
+    info = load_engine_info(engine_dir, verify_checksums=options.verify_checksums)
+    runtime = resolve_runtime(info, options)
     model = load_network(info, runtime.device)
     logger.info("loaded engine %s (%s, %s, %s) in %.2fs", info.spec.engine_dir, info.spec.architecture,
                 info.config.build.dtype, runtime.device, time.perf_counter() - start)

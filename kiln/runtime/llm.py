@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from .engine import Prompt
 from .engine_factory import create_engine
+from .options import RuntimeOptions, runtime_options
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .speculative import SpeculativeConfig
 
 
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -46,25 +45,17 @@ class LLM:
 
     Every engine file's size and sha256 are checked against engine.json's manifest; a file's hash is
     computed once per file version and then trusted through a stamp kept outside the engine (see
-    `kiln.engine_format.stamps`). `verify_checksums=False` checks sizes only.
+    `kiln.engine_format.stamps`). `verify_checksums=False` checks sizes only. (Every option: `RuntimeOptions`.)
 
     `speculative_config` turns on speculative decoding: a `SpeculativeConfig`, or its fields as a dict (vLLM's
     form), e.g. `{"method": "draft_model", "model": DRAFT_ENGINE_DIR, "num_speculative_tokens": 4}` or
     `{"method": "ngram", "num_speculative_tokens": 4, "ngram_max": 4}`; `speculation_stats()` reports acceptance.
     """
 
-    def __init__(self, engine_dir: str | Path, *, device: str | torch.device | None = None,
-                 max_batch_size: int | None = None, max_num_tokens: int | None = None,
-                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache_memory_fraction: float = 0.9, cuda_graphs: bool = True,
-                 async_scheduling: bool | None = None, verify_checksums: bool = True,
-                 speculative_config: SpeculativeConfig | dict | None = None) -> None:
-        self.engine = create_engine(engine_dir, device=device, max_batch_size=max_batch_size,
-                                    max_num_tokens=max_num_tokens, num_kv_blocks=num_kv_blocks,
-                                    enable_prefix_caching=enable_prefix_caching,
-                                    kv_cache_memory_fraction=kv_cache_memory_fraction, cuda_graphs=cuda_graphs,
-                                    async_scheduling=async_scheduling, verify_checksums=verify_checksums,
-                                    speculative_config=speculative_config)
+    def __init__(self, engine_dir: str | Path, *, options: RuntimeOptions | None = None, **keywords: Any) -> None:
+        """`options`: how to run the engine (a RuntimeOptions; None: the defaults); `keywords`: RuntimeOptions'
+        field names, set over `options` (`LLM(engine_dir, max_batch_size=8)`); others are a TypeError."""
+        self.engine = create_engine(engine_dir, runtime_options(options, keywords, "LLM"))
         self._aborted: list[RequestOutput] = []  # final outputs of abort() calls, for stream() to yield
         self._streamed: set[str] = set()  # requests some stream() is iterating over
 

@@ -56,12 +56,6 @@ class MemoryReport:
                 f"{self.graph_bytes / GIB:.2f} GiB, of {self.total_bytes / GIB:.2f} GiB")
 
 
-def check_fraction(fraction: float) -> float:
-    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
-        raise ValueError(f"kv_cache_memory_fraction={fraction!r} must be in (0, 1]")
-    return float(fraction)
-
-
 def tensor_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 

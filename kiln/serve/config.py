@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kiln.runtime.speculative import SpeculativeConfig
+from kiln.runtime.options import RuntimeOptions
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,12 @@ class ServeConfig:
     # the tool-call format the chat API reads and constrains (serve/tool_calls.py): llama3_json or hermes;
     # None: the engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes)
     tool_call_parser: str | None = None
-    # runtime overrides (None: the engine's build limits / what memory allows)
-    device: str | None = None
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory_fraction: float = 0.9
-    cuda_graphs: bool = True
-    async_scheduling: bool | None = None  # None: on CUDA (see LLM)
-    verify_checksums: bool = True  # sha256 of the engine files against the manifest (stamped: once per file)
-    speculative_config: SpeculativeConfig | None = None  # speculative decoding (a draft engine or n-gram lookup)
+    # how the engine is run: device, lower limits, KV-cache size, CUDA graphs, speculative decoding
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.runtime, RuntimeOptions):
+            raise ValueError(f"ServeConfig.runtime={self.runtime!r} is invalid: must be a RuntimeOptions")
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             if not isinstance(port, int) or not 0 <= port <= 65535:

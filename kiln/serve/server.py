@@ -50,13 +50,7 @@ class KilnServer:
 
         c = self.config
         if self._llm is None:
-            self._llm = await asyncio.to_thread(AsyncLLM, c.engine_dir, device=c.device,
-                                                max_batch_size=c.max_batch_size, max_num_tokens=c.max_num_tokens,
-                                                num_kv_blocks=c.num_kv_blocks,
-                                                kv_cache_memory_fraction=c.kv_cache_memory_fraction,
-                                                cuda_graphs=c.cuda_graphs, async_scheduling=c.async_scheduling,
-                                                verify_checksums=c.verify_checksums,
-                                                speculative_config=c.speculative_config)
+            self._llm = await asyncio.to_thread(AsyncLLM, c.engine_dir, options=c.runtime)
         self.service = EngineService(self._llm, self.model_name, c.max_queued_requests)
         try:
             self.http_port = await self._listen(make_http_app(self.service, c), c.http_port)

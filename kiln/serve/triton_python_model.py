@@ -184,9 +184,17 @@ def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int
     that share of available host memory."""
     from kiln.runtime.engine_factory import create_engine
 
-    return create_engine(params.engine_dir, device=device, max_batch_size=max_batch_size,
-                         enable_prefix_caching=params.enable_kv_cache_reuse,
-                         kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction)
+    return create_engine(params.engine_dir, runtime_options_of(params, device, max_batch_size))
+
+
+def runtime_options_of(params: BackendParameters, device: str, max_batch_size: int | None):
+    """The RuntimeOptions config.pbtxt asks for: its `max_batch_size`, the instance's device, and the parameters
+    under TensorRT-LLM's names (enable_kv_cache_reuse, kv_cache_free_gpu_mem_fraction); the rest are defaults."""
+    from kiln.runtime.options import RuntimeOptions
+
+    return RuntimeOptions(device=device, max_batch_size=max_batch_size,
+                          enable_prefix_caching=params.enable_kv_cache_reuse,
+                          kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction)
 
 
 def error_response(message: str, code: str):

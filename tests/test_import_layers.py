@@ -30,7 +30,6 @@ TORCH_FREE = (
     "kiln.runtime.sampling_params",
     "kiln.runtime.outputs",
     "kiln.runtime.request_failure",
-    "kiln.runtime.options",  # RuntimeOptions: the one list of runtime options (ServeConfig.runtime, the Triton model)
 )
 
 # (importer prefix, imported prefix, why): no module under the first may import one under the second.
@@ -56,6 +55,7 @@ SERVE_SEES_OF_RUNTIME = frozenset({
     "kiln.runtime.sampling_params",
     "kiln.runtime.guided_decoding",
     "kiln.runtime.request_failure",
+    "kiln.runtime.options",  # RuntimeOptions: the one list of runtime options (ServeConfig.runtime, the Triton model)
     "kiln.runtime.speculative",  # its __init__: SpeculativeConfig, for the --speculative-* options
     "kiln.runtime.detokenizer",  # PROMPT_CONTEXT_TOKENS: an echoed prompt decodes as generated text does
     # Reached today and to be narrowed by issue 32's serve/runtime layering (item 2): serve reads

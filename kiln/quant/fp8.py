@@ -22,6 +22,7 @@ from kiln.plugins.quant_linear import scaled_linear, scaled_linear_quantized
 
 from .base import LinearPart, QuantizedLinearMethod
 from .fusion import shared_input_amax
+from .registry import QuantScheme, register
 from .rounding import FP8_MAX, amax_floor, fp8_quantize
 from .selection import LayerSelection
 
@@ -78,3 +79,11 @@ class Fp8Config:
         import modelopt.torch.quantization as mtq
 
         return mtq.FP8_DEFAULT_CFG
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # float8_e4m3fn: Ada Lovelace (sm_89) and Hopper (sm_90) onwards
+
+register(QuantScheme("fp8", lambda p: Fp8Config(p.selection), order=1, calibrated=True,
+                     min_compute_capability=FP8_MIN_CAPABILITY))
+register(QuantScheme("fp8_dynamic", lambda p: Fp8Config(p.selection, dynamic=True), order=6,
+                     min_compute_capability=FP8_MIN_CAPABILITY, buildable=False))

@@ -21,6 +21,8 @@ from kiln.model_defs.layers.linear import TensorDecl
 from kiln.plugins.fp8_block_linear import fp8_block_linear
 
 from .base import LinearPart, QuantError, QuantizedLinearMethod
+from .fp8 import FP8_MIN_CAPABILITY
+from .registry import QuantScheme, register
 from .rounding import FP8_MAX, amax_floor, fp8_quantize
 from .selection import LayerSelection
 
@@ -98,3 +100,8 @@ class Fp8BlockConfig:
 
     def modelopt_config(self) -> None:
         return None  # read from checkpoints, never calibrated
+
+
+register(QuantScheme("fp8_block", lambda p: Fp8BlockConfig(tuple(p.block_size), p.selection), order=7,
+                     parameters=frozenset({"block_size"}), min_compute_capability=FP8_MIN_CAPABILITY,
+                     buildable=False))

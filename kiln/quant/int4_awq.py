@@ -8,6 +8,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from .registry import QuantScheme, register
 from .weight_only_formats import WeightOnlyConfig, _PerPartSmoothing
 
 
@@ -25,3 +26,7 @@ class Int4AwqConfig(WeightOnlyConfig, _PerPartSmoothing):
             if entry.get("quantizer_name") == "*weight_quantizer":
                 entry["cfg"]["block_sizes"] = {-1: self.group_size, "type": "static"}
         return cfg
+
+
+register(QuantScheme("int4_awq", lambda p: Int4AwqConfig(group_size=p.group, selection=p.selection), order=3,
+                     parameters=frozenset({"group_size"}), calibrated=True, grouped=True))

@@ -23,6 +23,7 @@ from kiln.plugins.quant_linear import scaled_linear
 
 from .base import LinearPart, QuantizedLinearMethod
 from .fusion import share_pre_quant_scale, shared_input_amax
+from .registry import QuantScheme, register
 from .rounding import amax_floor, int_max, int_quantize
 from .selection import LayerSelection
 
@@ -78,3 +79,7 @@ class Int8SqConfig:
         import modelopt.torch.quantization as mtq
 
         return mtq.INT8_SMOOTHQUANT_CFG
+
+
+register(QuantScheme("int8_sq", lambda p: Int8SqConfig(p.selection), order=2, calibrated=True))
+register(QuantScheme("int8_dynamic", lambda p: Int8SqConfig(p.selection, dynamic=True), order=8, buildable=False))

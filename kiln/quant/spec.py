@@ -13,7 +13,8 @@ from typing import Any
 from kiln.engine_format.json_fields import check_json_fields
 
 from .base import QuantConfig, QuantError
-from .formats import ENGINE_SCHEMES, GROUPED, quant_config
+from .formats import ENGINE_SCHEMES, quant_config
+from .registry import UnknownSchemeError, scheme
 from .selection import DEFAULT_EXCLUDED, LayerSelection
 
 
@@ -45,17 +46,19 @@ class QuantSpec:
     source: str | None = None  # a pre-quantized checkpoint's format, e.g. "ModelOpt FP8 (hf_quant_config.json)"
 
     def __post_init__(self) -> None:
-        if self.qformat not in ENGINE_SCHEMES:
-            raise QuantError(f"qformat={self.qformat!r} must be one of {', '.join(ENGINE_SCHEMES)}")
+        try:
+            entry = scheme(self.qformat)
+        except UnknownSchemeError:
+            raise QuantError(f"qformat={self.qformat!r} must be one of {', '.join(ENGINE_SCHEMES)}") from None
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise QuantError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be auto, fp8 or int8")
-        if self.qformat in GROUPED and self.group_size is None:
+        if entry.grouped and self.group_size is None:
             raise QuantError(f"group_size is required for qformat {self.qformat}")
-        if self.qformat not in (*GROUPED, "weight_only") and self.group_size is not None:
+        if "group_size" not in entry.parameters and self.group_size is not None:
             raise QuantError(f"group_size={self.group_size!r} does not fit qformat {self.qformat}")
-        if (self.qformat == "weight_only") != (self.bits is not None) or self.bits not in (None, 4, 8):
+        if ("bits" in entry.parameters) != (self.bits is not None) or self.bits not in (None, 4, 8):
             raise QuantError(f"bits={self.bits!r} does not fit qformat {self.qformat} (weight_only: 4 or 8)")
-        if (self.qformat == "fp8_block") != (self.block_size is not None):
+        if ("block_size" in entry.parameters) != (self.block_size is not None):
             raise QuantError(f"block_size={self.block_size!r} does not fit qformat {self.qformat}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 2
                                             or self.group_size % 2):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .registry import QuantScheme, register
 from .selection import LayerSelection
 from .weight_only import WeightOnlyLinear, check_group_size
 
@@ -51,3 +52,14 @@ def int8_wo(selection: LayerSelection) -> WeightOnlyConfig:
 
 def int4_wo(group_size: int, selection: LayerSelection) -> WeightOnlyConfig:
     return WeightOnlyConfig(4, group_size, asymmetric=True, selection=selection)
+
+
+register(QuantScheme("int8_wo", lambda p: int8_wo(p.selection), order=4))
+register(QuantScheme("int4_wo", lambda p: int4_wo(p.group, p.selection), order=5,
+                     parameters=frozenset({"group_size"}), grouped=True))
+# Any weight-only integer layout a pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors, ModelOpt) brings.
+register(QuantScheme(
+    "weight_only", order=9, buildable=False,
+    config=lambda p: WeightOnlyConfig(p.bits, p.group_size, asymmetric=p.zero_point, smoothed=p.smoothed,
+                                      act_order=p.act_order, selection=p.selection, group_flag=None),
+    parameters=frozenset({"bits", "group_size", "zero_point", "act_order", "smoothed"})))

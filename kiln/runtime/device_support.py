@@ -10,29 +10,37 @@ from __future__ import annotations
 import torch
 
 from kiln.engine_format import EngineBuildConfig, EngineError
+from kiln.quant.fp8 import FP8_MIN_CAPABILITY
+from kiln.quant.registry import schemes
 
-FP8_MIN_CAPABILITY = (8, 9)  # Ada Lovelace (sm_89) and Hopper (sm_90) onwards
-FP8_WEIGHT_SCHEMES = ("fp8", "fp8_dynamic", "fp8_block")  # quantization.qformat values with FP8 weights
+# FP8_MIN_CAPABILITY (Ada Lovelace sm_89, Hopper sm_90 onwards) is the FP8 KV cache's; a weight scheme's
+# own minimum is its registry entry's min_compute_capability.
+__all__ = ["FP8_MIN_CAPABILITY", "check_device_supports"]
 
 
 def check_device_supports(build: EngineBuildConfig, device: torch.device) -> None:
-    """Raises EngineError, saying what to rebuild with, when `build` needs FP8 (an "fp8" KV cache or
-    weights: qformat fp8, fp8_dynamic, fp8_block) and `device` is a CUDA GPU older than compute capability 8.9."""
+    """Raises EngineError, saying what to rebuild with, when `build` needs a newer CUDA GPU than `device`: an
+    "fp8" KV cache, or a weight scheme whose registry entry has a min_compute_capability (fp8, fp8_dynamic,
+    fp8_block: 8.9)."""
     if device.type != "cuda":
         return
-    needs = []
+    needs = []  # (what, the flags that avoid it, the compute capability it needs)
     if build.kv_cache_dtype == "fp8":
-        needs.append(("an FP8 KV cache", "--kv-cache-dtype int8 or auto"))
-    if isinstance(build.quantization, dict) and build.quantization.get("qformat") in FP8_WEIGHT_SCHEMES:
-        needs.append(("FP8 weights", "--qformat int8_sq or int4_awq (from the unquantized checkpoint)"))
+        needs.append(("an FP8 KV cache", "--kv-cache-dtype int8 or auto", FP8_MIN_CAPABILITY))
+    qformat = build.quantization.get("qformat") if isinstance(build.quantization, dict) else None
+    weights = next((s for s in schemes() if s.name == qformat and s.min_compute_capability), None)
+    if weights is not None:
+        needs.append(("FP8 weights", "--qformat int8_sq or int4_awq (from the unquantized checkpoint)",
+                      weights.min_compute_capability))
     if not needs:
         return
     capability = tuple(torch.cuda.get_device_capability(device))
-    if capability >= FP8_MIN_CAPABILITY:
+    minimum_cc = max(cc for _, _, cc in needs)
+    if capability >= minimum_cc:
         return
-    what = " and ".join(n for n, _ in needs)
-    flags = " and ".join(f for _, f in needs)
-    minimum, found = (".".join(map(str, cc)) for cc in (FP8_MIN_CAPABILITY, capability))
+    what = " and ".join(n for n, _, _ in needs)
+    flags = " and ".join(f for _, f, _ in needs)
+    minimum, found = (".".join(map(str, cc)) for cc in (minimum_cc, capability))
     raise EngineError(
         f"the engine holds {what}, which needs a GPU of compute capability {minimum} or newer (Ada, Hopper), "
         f"but {device} has compute capability {found}: rebuild the engine with {flags} to run it on this GPU")

@@ -25,6 +25,10 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not token_ids:
         raise ValueError("prompt is empty")
+    # The common case checked by C-level builtins: a Python loop over the ids holds the GIL (half a second a
+    # million ids), stalling whichever thread shares it. The loop below only finds what is wrong.
+    if set(map(type, token_ids)) == {int} and 0 <= min(token_ids) and max(token_ids) < vocab_size:
+        return token_ids
     for i, t in enumerate(token_ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size})")

@@ -109,20 +109,16 @@ class EngineService:
         return await self.prompt_work.run(fn, *args, size=size)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """The engine's `tokenize` (a ValueError names what is wrong), for the prompt worker, without its Python
-        loop over the ids: that holds the GIL (half a second a million ids), which stalls the event loop. Ids are
-        recognized by C-level builtins instead, and a text's ids beyond max_seq_len not at all: that prompt is
-        refused for its length before it reaches the engine. Anything else gets the engine's own checks."""
+        """The engine's `tokenize` (a ValueError names what is wrong), for the prompt worker; a text's ids are
+        not checked at all when there are more than max_seq_len of them: that prompt is refused for its length
+        before it reaches the engine."""
         engine = self.llm.engine
-        ids = prompt
         if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
             ids = engine.tokenizer.encode(prompt)
             if len(ids) > self.max_seq_len:
                 return list(ids)
-        if isinstance(ids, list) and ids and set(map(type, ids)) == {int} \
-                and 0 <= min(ids) and max(ids) < engine.model_config.vocab_size:
-            return ids
-        return engine.tokenize(ids)
+            prompt = ids
+        return engine.tokenize(prompt)
 
     async def prompt_ids(self, prompt: Prompt, params: SamplingParams) -> Prompt:
         """A text prompt's token ids, tokenized on the prompt worker; a prompt of token ids is checked to fit

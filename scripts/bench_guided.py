@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from kiln.runtime import GuidedDecoding
-from kiln.runtime.grammar_compiler import GrammarCompiler
-from kiln.runtime.guided_masker import GuidedMasker
-from kiln.runtime.sampler import SamplingRow
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.runtime.sampling.grammar_compiler import GrammarCompiler
+from kiln.runtime.sampling.guided_masker import GuidedMasker
+from kiln.runtime.sampling.sampler import SamplingRow
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
           "required": ["name", "n"], "additionalProperties": False}

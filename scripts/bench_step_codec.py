@@ -15,10 +15,10 @@ import pickle
 import random
 import time
 
-from kiln.runtime.block_table import BlockTable, new_stamp
+from kiln.runtime.core.block_table import BlockTable, new_stamp
+from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.distributed.step_codec import StepDecoder, StepEncoder
-from kiln.runtime.model_step import StepInput
-from kiln.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.runtime.worker.model_step import StepInput
 
 
 def decode_steps(batch: int, blocks: int, count: int) -> list[StepInput]:

@@ -15,8 +15,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kiln.bench.offline import random_prompts
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.benchmark import random_prompts
 
 
 def main() -> None:

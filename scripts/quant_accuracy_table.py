@@ -12,10 +12,10 @@ import json
 import time
 from pathlib import Path
 
+from kiln.bench.perplexity import perplexity
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM
-from kiln.runtime.perplexity import perplexity
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "examples" / "kiln-tiny-code"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kiln.bench.offline import text_prompts
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.benchmark import text_prompts
 from kiln.runtime.speculative import SpeculativeConfig
 
 HELDOUT = Path(__file__).resolve().parent.parent / "examples" / "heldout-sample.txt"

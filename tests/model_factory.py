@@ -71,7 +71,7 @@ def make_engine(tmp: Path, architecture: str = "LlamaForCausalLM", **build_optio
 def hf_perplexity(model, token_ids: list[int], window_len: int) -> tuple[float, int]:
     """transformers' perplexity over the same consecutive windows as kiln's perplexity (each window alone,
     its first token unscored): (perplexity, scored tokens)."""
-    from kiln.runtime.perplexity import split_windows
+    from kiln.bench.perplexity import split_windows
 
     nll, count = 0.0, 0
     for window in split_windows(token_ids, window_len):

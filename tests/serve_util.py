@@ -138,7 +138,7 @@ def triton_inputs(module, prompt: str, guide_type: str | None, guide: str | None
         values["guided_decoding_guide"] = ([[guide.encode()]], "BYTES")
     import numpy as np
 
-    from kiln.serve.triton_schema import DATATYPES
+    from kiln.serve.tritonserver.schema import DATATYPES
 
     tensors = []
     for name, (value, datatype) in values.items():

@@ -11,9 +11,9 @@ from model_factory import make_engine
 from serve_util import idle_kv_stats
 
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.request import PLACEHOLDER, Request
-from kiln.runtime.scheduler import Scheduler, SchedulerLimits
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.request import PLACEHOLDER, Request
+from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,7 @@ def test_final_only_steps_hand_out_each_request_once_as_it_finished(tiny_code_en
 def test_final_only_steps_decode_the_text_once_when_the_request_ends(tiny_code_engine, monkeypatch):
     """Without stop strings nobody reads the text before the end: LLM.generate's tokens are deferred and decoded
     together with the last one (one add_token per request instead of one per token), same text."""
-    from kiln.runtime.detokenizer import IncrementalDetokenizer
+    from kiln.runtime.engine.detokenizer import IncrementalDetokenizer
 
     calls = []
     add_token = IncrementalDetokenizer.add_token

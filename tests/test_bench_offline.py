@@ -5,9 +5,9 @@ import json
 import pytest
 from model_factory import make_checkpoint
 
+from kiln.bench.offline import BenchSpec, random_prompts, run_throughput
 from kiln.cli import main
 from kiln.runtime import LLM
-from kiln.runtime.benchmark import BenchSpec, random_prompts, run_throughput
 
 
 @pytest.fixture(scope="module")

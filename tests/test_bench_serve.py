@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from kiln.bench.serve_client import BenchConfig, make_prompts
 from kiln.cli import main
-from kiln.serve.bench_serve import BenchConfig, make_prompts
 
 
 @pytest.mark.parametrize("endpoint, rate", [("completions", "inf"), ("chat", "50")])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.runtime.block_manager import BlockManager, CachedPrefix
+from kiln.runtime.core.block_manager import BlockManager, CachedPrefix
 
 BS = 4  # block size used throughout
 NO_PREFIX = CachedPrefix()

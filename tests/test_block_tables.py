@@ -15,15 +15,15 @@ import torch
 
 from kiln.model_defs import ModelConfig
 from kiln.model_defs.config import RopeConfig
-from kiln.runtime import cuda_graphs, prefill_graphs
-from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.block_table import BlockTable
-from kiln.runtime.block_table_mirror import RECENT_GATHERS, BlockTableMirror
-from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.request import Request, RequestStatus
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from kiln.runtime.step_inputs import pack_step
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.block_table import BlockTable
+from kiln.runtime.core.request import Request, RequestStatus
+from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kiln.runtime.worker import cuda_graphs, prefill_graphs
+from kiln.runtime.worker.block_table_mirror import RECENT_GATHERS, BlockTableMirror
+from kiln.runtime.worker.kv_cache import KVCache
+from kiln.runtime.worker.step_inputs import pack_step
 
 BS = 4
 VOCAB = 50

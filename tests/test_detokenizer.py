@@ -8,7 +8,7 @@ import pytest
 from tokenizer_factory import make_test_tokenizer
 from transformers import AutoTokenizer
 
-from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.engine.detokenizer import IncrementalDetokenizer
 
 UNICODE_TEXT = "héllo wörld 日本語 🎉 the café sees die Straße, Мария любит 東京!"
 

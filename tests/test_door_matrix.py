@@ -52,8 +52,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.runtime import LLM, GuidedDecoding, RequestOutput, SamplingParams
 from kiln.runtime.speculative import SpeculativeConfig
-from kiln.serve.triton_repo import write_repository
-from kiln.serve.triton_schema import DATATYPES, INPUT_SPECS
+from kiln.serve.tritonserver.repository import write_repository
+from kiln.serve.tritonserver.schema import DATATYPES, INPUT_SPECS
 
 sys.path.insert(0, str(Path(__file__).parent / "triton_stub"))
 import triton_python_backend_utils as pb  # noqa: E402
@@ -133,7 +133,7 @@ def unsupported(row: Row, door: str) -> str | None:
         if door not in OPENAI_DOORS:
             return "n > 1: SamplingParams has no n (the OpenAI server expands n into requests seeded seed + j)"
     if row.speculation and door.startswith("triton_repo"):
-        return "speculation: config.pbtxt has no speculative-decoding parameter (serve/triton_repo.py)"
+        return "speculation: config.pbtxt has no speculative-decoding parameter (serve/tritonserver/repository.py)"
     return None
 
 
@@ -323,7 +323,7 @@ class Matrix:
 
 
 def choice_params(case: Case, j: int) -> SamplingParams:
-    """Choice j of an OpenAI request with n choices samples with seed + j (serve/openai_request.py)."""
+    """Choice j of an OpenAI request with n choices samples with seed + j (serve/openai/request.py)."""
     return case.params if j == 0 else dataclasses.replace(case.params, seed=case.params.seed + j)
 
 

@@ -21,7 +21,7 @@ from kiln.engine_format import verify as verify_module
 from kiln.engine_format.staging import staged_directory
 from kiln.engine_format.stamps import stamp_file
 from kiln.runtime import LLM
-from kiln.runtime.engine_loader import load_engine_info
+from kiln.runtime.worker.engine_loader import load_engine_info
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -21,7 +21,7 @@ def test_a_kind_gpu_model_serves_greedy_completions_in_a_real_triton(tmp_path):
     from kiln.builder.build import build_engine
     from kiln.builder.build_config import BuildConfig
     from kiln.runtime import LLM, SamplingParams
-    from kiln.serve.triton_repo import write_repository
+    from kiln.serve.tritonserver.repository import write_repository
 
     try:
         install = find_install()

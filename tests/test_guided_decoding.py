@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from kiln.runtime import LLM, GuidedDecoding, SamplingParams
-from kiln.runtime.engine_factory import create_engine
+from kiln.runtime.engine.factory import create_engine
 from kiln.runtime.options import RuntimeOptions
 
 xgr = pytest.importorskip("xgrammar")
 
-from kiln.runtime.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, GrammarError  # noqa: E402
-from kiln.runtime.guided_masker import GuidedMasker  # noqa: E402
-from kiln.runtime.request_failure import RequestFailed  # noqa: E402
-from kiln.runtime.sampler import SamplingRow  # noqa: E402
+from kiln.runtime.core.request_failure import RequestFailed  # noqa: E402
+from kiln.runtime.sampling.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, GrammarError  # noqa: E402
+from kiln.runtime.sampling.guided_masker import GuidedMasker  # noqa: E402
+from kiln.runtime.sampling.sampler import SamplingRow  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
           "required": ["name", "n"], "additionalProperties": False}
@@ -322,7 +322,7 @@ def test_without_xgrammar_a_constrained_request_says_how_to_install_it(tiny_code
     engine = create_engine(tiny_code_engine, RuntimeOptions(num_kv_blocks=8))
     plain = engine.add_request("x = ", SamplingParams(max_tokens=2))  # unconstrained requests never need it
     monkeypatch.setitem(sys.modules, "xgrammar", None)
-    for name in ("kiln.runtime.guided_masker", "kiln.runtime.grammar_compiler"):
+    for name in ("kiln.runtime.sampling.guided_masker", "kiln.runtime.sampling.grammar_compiler"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(ValueError, match=r"guided_decoding needs xgrammar: pip install xgrammar"):
         engine.add_request("x = ", SamplingParams(guided_decoding=GuidedDecoding(regex="a")))

@@ -1,5 +1,5 @@
 """Guided-decoding constraints that cannot stop the server: the compiler's size limits, grammars that allow
-nothing, compilations killed at their time limit (worker processes, runtime/grammar_worker.py), then seeded
+nothing, compilations killed at their time limit (worker processes, runtime/sampling/grammar_worker.py), then seeded
 random and adversarial JSON schemas, regexes, EBNF grammars and choice lists through a real `LLM` and through a
 real `kiln serve` (openai, raw HTTP, Triton's generate route): each is refused with a ValueError / 4xx naming
 its problem or runs to finish_reason stop, length or error; nothing hangs, nothing is a 5xx, and the engine
@@ -23,8 +23,8 @@ from kiln.runtime import LLM, GuidedDecoding, SamplingParams
 
 xgr = pytest.importorskip("xgrammar")
 
-from kiln.runtime import grammar_worker  # noqa: E402
-from kiln.runtime.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, GrammarError  # noqa: E402
+from kiln.runtime.sampling import grammar_worker  # noqa: E402
+from kiln.runtime.sampling.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, GrammarError  # noqa: E402
 
 EOS = 1  # kiln-tiny-code's <|eos|>
 PROMPT = "def main():\n    x = "

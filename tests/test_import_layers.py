@@ -23,13 +23,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kiln"
 # The torch-free core: these modules, and every kiln module they import (transitively), import no torch, so
 # the scheduler and its data run and are tested without a device and hand the runner plain data.
 TORCH_FREE = (
-    "kiln.runtime.scheduler",
-    "kiln.runtime.block_manager",
-    "kiln.runtime.block_table",
-    "kiln.runtime.request",
-    "kiln.runtime.sampling_params",
-    "kiln.runtime.outputs",
-    "kiln.runtime.request_failure",
+    "kiln.runtime.core.scheduler",
+    "kiln.runtime.core.block_manager",
+    "kiln.runtime.core.block_table",
+    "kiln.runtime.core.request",
+    "kiln.runtime.core.sampling_params",
+    "kiln.runtime.core.outputs",
+    "kiln.runtime.core.request_failure",
 )
 
 # (importer prefix, imported prefix, why): no module under the first may import one under the second.
@@ -50,18 +50,18 @@ FORBIDDEN = (
 SERVE_SEES_OF_RUNTIME = frozenset({
     # The public API (kiln.runtime's __all__ and the failures serve maps to 4xx / 5xx).
     "kiln.runtime",
-    "kiln.runtime.async_llm",
-    "kiln.runtime.outputs",
-    "kiln.runtime.sampling_params",
-    "kiln.runtime.guided_decoding",
-    "kiln.runtime.request_failure",
+    "kiln.runtime.engine.async_llm",
+    "kiln.runtime.core.outputs",
+    "kiln.runtime.core.sampling_params",
+    "kiln.runtime.core.guided_decoding",
+    "kiln.runtime.core.request_failure",
     "kiln.runtime.options",  # RuntimeOptions: the one list of runtime options (ServeConfig.runtime, the Triton model)
     "kiln.runtime.speculative",  # its __init__: SpeculativeConfig, for the --speculative-* options
-    "kiln.runtime.detokenizer",  # PROMPT_CONTEXT_TOKENS: an echoed prompt decodes as generated text does
+    "kiln.runtime.engine.detokenizer",  # PROMPT_CONTEXT_TOKENS: an echoed prompt decodes as generated text does
     # Reached today and to be narrowed by issue 32's serve/runtime layering (item 2): serve reads
     # `llm.engine.*` (limits, EngineError), and the Triton model builds its own engine loop.
-    "kiln.runtime.engine",
-    "kiln.runtime.engine_factory",
+    "kiln.runtime.engine.engine",
+    "kiln.runtime.engine.factory",
 })
 
 # Circles still allowed, each as the sorted list of its modules, with the reason. Empty: there are none.
@@ -199,8 +199,8 @@ def _under(module: str, prefix: str) -> bool:
 def test_the_graph_sees_the_package():
     edges, outside = _graph()
     assert len(edges) > 100
-    assert "kiln.runtime.scheduler" in edges["kiln.runtime.engine"]
-    assert "torch" in outside["kiln.runtime.engine_loader"]
+    assert "kiln.runtime.core.scheduler" in edges["kiln.runtime.engine.engine"]
+    assert "torch" in outside["kiln.runtime.worker.engine_loader"]
 
 
 def test_no_import_circles():

@@ -25,7 +25,7 @@ from kiln.builder.build_config import BuildConfig
 from kiln.engine_format import ENGINE_JSON, EngineError, FileEntry, load_engine_spec, write_engine_json
 from kiln.engine_format.kernels import KERNELS_DIR, KernelTarget, Toolchain
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime import kernel_store as runtime_store
+from kiln.runtime.worker import kernel_store as runtime_store
 
 pytest.importorskip("triton", reason="the stored kernels are Triton's")
 
@@ -231,7 +231,7 @@ def test_kernels_need_a_cuda_build_and_the_cli_turns_them_on_for_cuda_only():
 
 def test_a_failing_warmup_names_no_kernels(tmp_path, monkeypatch):
     def failed(command, **kwargs):
-        assert command[1:3] == ["-m", "kiln.runtime.kernel_warmup"] and kwargs["env"]["TRITON_CACHE_DIR"] == "c"
+        assert command[1:3] == ["-m", "kiln.runtime.engine.kernel_warmup"] and kwargs["env"]["TRITON_CACHE_DIR"] == "c"
         return subprocess.CompletedProcess(command, 1, stdout="Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory")
 
     monkeypatch.setattr(builder_store.subprocess, "run", failed)
@@ -279,7 +279,7 @@ class _RecordingLLM:
                                     dict(max_batch_size=1024, max_num_tokens=8192, max_seq_len=4224),
                                     dict(max_batch_size=1, max_num_tokens=16, max_seq_len=8)])
 def test_warmup_workload_stays_within_the_engines_limits(limits):
-    from kiln.runtime.kernel_warmup import warm_up
+    from kiln.runtime.engine.kernel_warmup import warm_up
 
     llm = _RecordingLLM(limits, vocab=400)
     assert warm_up(llm) == len(llm.requests)
@@ -296,7 +296,7 @@ def test_warmup_workload_stays_within_the_engines_limits(limits):
 def test_mixed_steps_join_decoding_sequences_of_every_table_width(tmp_path):
     """On a real engine (CPU): sequences decode at contexts 1, 9 and 16 blocks wide while prompts join them;
     every request ends and frees its blocks."""
-    from kiln.runtime.kernel_warmup import mixed_steps
+    from kiln.runtime.engine.kernel_warmup import mixed_steps
 
     checkpoint, _ = make_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM")
     engine = build_engine(checkpoint, tmp_path / "engine", BuildConfig(max_batch_size=4, max_num_tokens=64,
@@ -332,7 +332,7 @@ def test_startup_log_names_every_stage(tmp_path, caplog):
 _SERVE = r"""
 import json, sys
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.kernel_warmup import count_compiles
+from kiln.runtime.engine.kernel_warmup import count_compiles
 with count_compiles() as compiled:
     llm = LLM(sys.argv[1])
     outs = llm.generate([[(5 * i + n) % 390 + 2 for i in range(n)] for n in (1, 9, 40, 23, 60, 3)],

@@ -24,10 +24,10 @@ from kiln.model_defs import ModelConfig
 from kiln.model_defs.config import RopeConfig
 from kiln.plugins import paged_attention, rotary_embedding, rotary_embedding_and_write_kv, write_kv_cache
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.device_support import check_device_supports
-from kiln.runtime.engine_factory import create_executor
-from kiln.runtime.engine_loader import load_engine_info, resolve_runtime
-from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.engine.factory import create_executor
+from kiln.runtime.worker.device_support import check_device_supports
+from kiln.runtime.worker.engine_loader import load_engine_info, resolve_runtime
+from kiln.runtime.worker.kv_cache import KVCache
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 QUANT_DTYPES = [torch.float8_e4m3fn, torch.int8]
@@ -416,7 +416,7 @@ def test_create_executor_refuses_fp8_on_an_old_gpu_before_loading_weights(float_
     def no_loading(*args, **kwargs):
         raise AssertionError("weights loaded before the device check")
 
-    monkeypatch.setattr("kiln.runtime.engine_factory.load_network", no_loading)
+    monkeypatch.setattr("kiln.runtime.engine.factory.load_network", no_loading)
     with pytest.raises(EngineError, match="rebuild the engine with --kv-cache-dtype int8 or auto"):
         create_executor(info, runtime)
 

@@ -29,7 +29,7 @@ from kiln.engine_format import EngineError
 from kiln.engine_format.build_owner import OWNER_FILE
 from kiln.engine_format.limits import check_build_limits
 from kiln.engine_format.staging import staged_directory
-from kiln.runtime.engine_loader import load_engine_info
+from kiln.runtime.worker.engine_loader import load_engine_info
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = EXAMPLES / "kiln-tiny-code"  # vocab 8192, 6 heads / 2 KV heads, head_dim 64, 8 layers

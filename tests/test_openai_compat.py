@@ -328,8 +328,8 @@ def test_logprobs_never_hold_infinity(server):
 
 
 def test_min_tokens_masks_stop_ids_only_in_rows_still_short():
-    from kiln.runtime.min_tokens import apply_min_tokens
-    from kiln.runtime.sampler import SamplingRow
+    from kiln.runtime.sampling.min_tokens import apply_min_tokens
+    from kiln.runtime.sampling.sampler import SamplingRow
 
     short = SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=(3,)), [0], [5])
     done = SamplingRow(SamplingParams(min_tokens=1, stop_token_ids=(3,)), [0], [5])

@@ -1,4 +1,4 @@
-"""`kiln eval perplexity` and `kiln.runtime.perplexity` agree with transformers on the bundled model."""
+"""`kiln eval perplexity` and `kiln.bench.perplexity` agree with transformers on the bundled model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 import transformers
 from model_factory import hf_perplexity
 
+from kiln.bench.perplexity import perplexity, split_windows
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.cli import main
 from kiln.runtime import LLM
-from kiln.runtime.perplexity import perplexity, split_windows
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL = EXAMPLES / "kiln-tiny-code"

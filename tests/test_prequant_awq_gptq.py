@@ -24,6 +24,7 @@ import transformers
 from model_factory import hf_greedy, hf_perplexity, make_checkpoint
 from safetensors.torch import load_file, save_file
 
+from kiln.bench.perplexity import perplexity
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.engine_format import load_engine_spec
@@ -31,7 +32,6 @@ from kiln.plugins.quant_linear import dequantize_weight
 from kiln.quant.base import QuantError
 from kiln.quant.prequant.gptq import GptqCheckpoint
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.perplexity import perplexity
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY_CODE = EXAMPLES / "kiln-tiny-code"

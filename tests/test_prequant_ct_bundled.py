@@ -25,10 +25,10 @@ import transformers
 from model_factory import hf_perplexity
 from safetensors import safe_open
 
+from kiln.bench.perplexity import perplexity
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM
-from kiln.runtime.perplexity import perplexity
 
 compressed_tensors = pytest.importorskip("compressed_tensors")
 from compressed_tensors import ModelCompressor  # noqa: E402

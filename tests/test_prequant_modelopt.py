@@ -17,10 +17,10 @@ import transformers
 from model_factory import hf_perplexity, make_checkpoint
 from safetensors.torch import load_file
 
+from kiln.bench.perplexity import perplexity
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.perplexity import perplexity
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.bench.perplexity import perplexity
 from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.runtime import LLM
-from kiln.runtime.perplexity import perplexity
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL = EXAMPLES / "kiln-tiny-code"

@@ -11,8 +11,8 @@ from kiln.quant import formats, registry
 from kiln.quant.base import QuantError
 from kiln.quant.registry import QuantScheme, SchemeParams, scheme, schemes
 from kiln.quant.selection import LayerSelection
-from kiln.runtime import device_support
-from kiln.runtime.device_support import check_device_supports
+from kiln.runtime.worker import device_support
+from kiln.runtime.worker.device_support import check_device_supports
 
 # Each scheme and the module that owns (and registers) it.
 OWNERS = {

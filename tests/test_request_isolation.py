@@ -12,7 +12,7 @@ import pytest
 
 from kiln.engine_format import EngineError
 from kiln.runtime import LLM, AsyncLLM, GuidedDecoding, SamplingParams
-from kiln.runtime.request_failure import EngineDeadError, RequestFailed
+from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
 from kiln.runtime.speculative import SpeculativeConfig
 
 # Compiles and allows "def" at first, then nothing at all: the failure comes mid-generation, on the engine thread.

@@ -3,7 +3,7 @@ shows the request as of its own update."""
 
 from __future__ import annotations
 
-from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.core.outputs import RequestOutput
 from kiln.serve.request_progress import RequestProgress
 
 

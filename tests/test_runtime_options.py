@@ -18,7 +18,7 @@ from kiln.cli import main, make_parser
 from kiln.runtime import LLM, AsyncLLM, RuntimeOptions, SamplingParams
 from kiln.runtime.options import FIELD_NAMES
 from kiln.runtime.speculative import SpeculativeConfig
-from kiln.serve.triton_repo import BackendParameters
+from kiln.serve.tritonserver.repository import BackendParameters
 
 # A value other than the default for every field, and the flags that ask for the same.
 NON_DEFAULT = dict(device="cpu", max_batch_size=2, max_num_tokens=48, num_kv_blocks=9, enable_prefix_caching=False,
@@ -43,8 +43,8 @@ def seen(monkeypatch):
         calls.append(options)
         raise Loaded
 
-    monkeypatch.setattr("kiln.runtime.llm.create_engine", fake_create_engine)
-    monkeypatch.setattr("kiln.runtime.async_llm.create_engine", fake_create_engine)
+    monkeypatch.setattr("kiln.runtime.engine.llm.create_engine", fake_create_engine)
+    monkeypatch.setattr("kiln.runtime.engine.async_llm.create_engine", fake_create_engine)
     return calls
 
 
@@ -132,7 +132,7 @@ def test_other_commands_take_the_same_flags(command, seen, capsys):
 
 def test_triton_parameters_reach_the_options():
     sys.path.insert(0, str(Path(__file__).parent / "triton_stub"))
-    from kiln.serve.triton_python_model import runtime_options_of
+    from kiln.serve.tritonserver.python_model import runtime_options_of
 
     params = BackendParameters.from_strings({"engine_dir": "/e", "enable_kv_cache_reuse": "false",
                                              "kv_cache_free_gpu_mem_fraction": "0.5"})

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.sampler import Sampler, SamplingRow, apply_penalties
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.runtime.sampling.sampler import Sampler, SamplingRow, apply_penalties
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

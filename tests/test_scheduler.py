@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.request import Request, RequestStatus
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.request import Request, RequestStatus
+from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 
 VOCAB = 1000
 

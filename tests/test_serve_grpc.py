@@ -18,8 +18,8 @@ from tritonclient.utils import InferenceServerException
 import kiln
 from kiln.runtime import LLM, SamplingParams
 from kiln.serve.errors import InvalidRequest
-from kiln.serve.kserve_grpc import decode_inputs
-from kiln.serve.triton_schema import DATATYPES
+from kiln.serve.kserve.grpc_server import decode_inputs
+from kiln.serve.tritonserver.schema import DATATYPES
 
 PROMPTS = ["def add(a, b):", "import os\n"]
 MAX_TOKENS = 12

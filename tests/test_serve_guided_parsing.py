@@ -1,7 +1,7 @@
 """Structured output and tool calls in `kiln serve`, without a server: the request fields -> GuidedDecoding
-(serve/guided_request.py), tools and tool_choice (serve/tool_specs.py), both tool-call formats read from
-hand-written model outputs and the constraints that make a model write them (serve/tool_calls.py), and how a
-chat choice presents them, whole and streamed (serve/openai_tool_output.py)."""
+(serve/guided_request.py), tools and tool_choice (serve/openai/tool_specs.py), both tool-call formats read from
+hand-written model outputs and the constraints that make a model write them (serve/openai/tool_calls.py), and how a
+chat choice presents them, whole and streamed (serve/openai/tool_output.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from kiln.runtime.guided_decoding import GuidedDecoding
+from kiln.runtime.core.guided_decoding import GuidedDecoding
 from kiln.serve.errors import InvalidRequest
 from kiln.serve.guided_request import engine_refusal, openai_guided, triton_guided
-from kiln.serve.openai_tool_output import ToolOutput
-from kiln.serve.tool_calls import PARSERS, default_parser
-from kiln.serve.tool_specs import check_tool_choice, check_tools, template_tool_calls
+from kiln.serve.openai.tool_calls import PARSERS, default_parser
+from kiln.serve.openai.tool_output import ToolOutput
+from kiln.serve.openai.tool_specs import check_tool_choice, check_tools, template_tool_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",

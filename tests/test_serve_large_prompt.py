@@ -23,7 +23,7 @@ from kiln.cli import main
 from kiln.runtime import SamplingParams
 from kiln.serve.config import ServeConfig
 from kiln.serve.limits import default_max_prompt_chars
-from kiln.serve.triton_repo import BackendParameters
+from kiln.serve.tritonserver.repository import BackendParameters
 
 PROMPT = "def add(a, b):"
 GENERATE = f"/v2/models/{MODEL_NAME}/generate"

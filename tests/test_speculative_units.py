@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kiln.runtime import SamplingParams
-from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.request import Request
-from kiln.runtime.sampler import Sampler, SamplingRow, processed_probs
-from kiln.runtime.scheduler import Scheduler, SchedulerLimits
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.request import Request
+from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits
+from kiln.runtime.sampling.sampler import Sampler, SamplingRow, processed_probs
 from kiln.runtime.speculative.ngram import lookup
 from kiln.runtime.speculative.rejection import DraftRows
 from kiln.runtime.speculative.speculator import num_accepted

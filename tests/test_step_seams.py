@@ -14,15 +14,15 @@ from kiln.engine_format import EngineBuildConfig, EngineError, Mapping
 from kiln.model_defs import ModelConfig
 from kiln.model_defs.config import RopeConfig
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.engine_factory import create_engine
-from kiln.runtime.executor import LocalExecutor
-from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.model_step import StepInput, StepResult
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.request import Request
+from kiln.runtime.core.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, SchedulerOutput
+from kiln.runtime.engine.factory import create_engine
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.request import Request
-from kiln.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, SchedulerOutput
-from kiln.runtime.step_inputs import pack_step
+from kiln.runtime.worker.executor import LocalExecutor
+from kiln.runtime.worker.kv_cache import KVCache
+from kiln.runtime.worker.model_step import StepInput, StepResult
+from kiln.runtime.worker.step_inputs import pack_step
 
 BS = 4
 

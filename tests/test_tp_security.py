@@ -31,8 +31,8 @@ from kiln.builder.build import build_engine
 from kiln.builder.build_config import BuildConfig
 from kiln.engine_format import EngineError
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.block_table import BlockTable, new_stamp
-from kiln.runtime.block_table_mirror import BlockTableMirror
+from kiln.runtime.core.block_table import BlockTable, new_stamp
+from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.distributed import step_codec
 from kiln.runtime.distributed.channel import MAX_FRAME_BYTES, PipeReceiver, PipeSender
 from kiln.runtime.distributed.launch import RankLaunch, local_launch
@@ -45,10 +45,10 @@ from kiln.runtime.distributed.step_codec import (
     encode_start,
 )
 from kiln.runtime.distributed.store import SECRET_VARIABLE, host_store, launch_secret, open_store
-from kiln.runtime.engine_loader import RuntimeConfig
-from kiln.runtime.model_step import StepInput, TokenFeed
-from kiln.runtime.prompt_logprobs import PromptLogprobTarget
-from kiln.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.runtime.sampling.prompt_logprobs import PromptLogprobTarget
+from kiln.runtime.worker.block_table_mirror import BlockTableMirror
+from kiln.runtime.worker.engine_loader import RuntimeConfig
+from kiln.runtime.worker.model_step import StepInput, TokenFeed
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 9, 3], [100, 200]]

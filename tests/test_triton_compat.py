@@ -13,7 +13,7 @@ from serve_util import MODEL_NAME, start_server
 
 from kiln.cli import main
 from kiln.runtime import LLM, SamplingParams
-from kiln.serve.triton_schema import DATATYPES
+from kiln.serve.tritonserver.schema import DATATYPES
 
 PROMPTS = ["def add(a, b):", "class Stack:"]
 MAX_TOKENS = 8

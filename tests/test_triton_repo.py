@@ -18,11 +18,11 @@ from tritonclient.grpc import model_config_pb2 as mc
 import kiln
 from kiln.cli import main
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.engine_factory import engine_from_loaded
-from kiln.runtime.engine_loader import load_engine
-from kiln.serve.triton_engine_loop import EngineLoop
-from kiln.serve.triton_repo import MODEL_SOURCE, site_directories
-from kiln.serve.triton_schema import DATATYPES, INPUT_SPECS, INPUTS, OUTPUT_SPECS, OUTPUTS
+from kiln.runtime.engine.factory import engine_from_loaded
+from kiln.runtime.worker.engine_loader import load_engine
+from kiln.serve.tritonserver.engine_loop import EngineLoop
+from kiln.serve.tritonserver.repository import MODEL_SOURCE, site_directories
+from kiln.serve.tritonserver.schema import DATATYPES, INPUT_SPECS, INPUTS, OUTPUT_SPECS, OUTPUTS
 
 sys.path.insert(0, str(Path(__file__).parent / "triton_stub"))
 import triton_python_backend_utils as pb  # noqa: E402
@@ -442,7 +442,7 @@ def test_a_row_that_fails_alone_ends_its_submission_with_the_error(tiny_code_eng
     """A constraint that allows "def" and then nothing fails its row once running: that submission gets one
     `fail` naming the input (client_error), the loop goes on and a submission beside it is answered whole."""
     from kiln.runtime import GuidedDecoding
-    from kiln.runtime.engine_factory import create_engine
+    from kiln.runtime.engine.factory import create_engine
 
     class FailSink(RecordingSink):
         failed = None

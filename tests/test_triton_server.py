@@ -16,7 +16,7 @@ import pytest
 from triton_server_util import Unavailable, find_install, layout_backend, start_server
 
 from kiln.runtime import LLM, SamplingParams
-from kiln.serve.triton_repo import write_repository
+from kiln.serve.tritonserver.repository import write_repository
 
 MODEL = "kiln-tiny-code"
 MAX_TOKENS = 12

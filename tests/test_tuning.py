@@ -26,7 +26,7 @@ from kiln.engine_format import load_engine_spec
 from kiln.model_defs import build_network
 from kiln.plugins import tuning
 from kiln.quant.spec import QuantSpec
-from kiln.runtime.kernel_settings import install_kernel_settings
+from kiln.runtime.worker.kernel_settings import install_kernel_settings
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 The engine, finished but for its kernels, is loaded in a child process whose Triton cache is a new empty
 directory; the child runs the runtime's startup (activation profile, every CUDA graph size) and the launches of
-a first stretch of serving (`kiln.runtime.kernel_warmup`). Whatever Triton wrote there is exactly what serving
+a first stretch of serving (`kiln.runtime.engine.kernel_warmup`). Whatever Triton wrote there is exactly what serving
 this engine compiles: the compiled kernels (metadata and binary of each; the intermediate IRs are left out)
 and the launcher modules. They are copied into the engine, each file in the manifest, and engine.json's
 `target.kernels` records the toolchain (see `kiln.engine_format.kernels`).
@@ -111,11 +111,11 @@ def with_stored_kernels(engine_dir: Path, fields: dict[str, Any]) -> dict[str, A
 
 
 def run_warmup(engine_dir: Path, triton_cache: Path, device_index: int) -> None:
-    """Runs `kiln.runtime.kernel_warmup` on the engine in a child process whose Triton cache is `triton_cache`;
+    """Runs `kiln.runtime.engine.kernel_warmup` on the engine in a child process whose Triton cache is `triton_cache`;
     a KernelStoreError with the end of its output when it fails."""
     torch.cuda.empty_cache()  # the child sizes its KV cache from the memory left free
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache)}
-    command = [sys.executable, "-m", "kiln.runtime.kernel_warmup", str(engine_dir.resolve()), "--device",
+    command = [sys.executable, "-m", "kiln.runtime.engine.kernel_warmup", str(engine_dir.resolve()), "--device",
                f"cuda:{device_index}"]
     try:  # run from the cache's folder: a `kiln/` folder in the current one (a checkout) would shadow the package
         done = subprocess.run(command, env=env, cwd=triton_cache.parent, stdout=subprocess.PIPE,

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.serve.bench_serve import BenchConfig, format_table, run_bench, to_json
+    from kiln.bench.serve_client import BenchConfig, format_table, run_bench, to_json
 
     config = BenchConfig(url=args.url.rstrip("/"), num_prompts=args.num_prompts, request_rate=args.request_rate,
                          input_len=args.input_len, output_len=args.output_len, model=args.model,
@@ -85,8 +85,8 @@ def run_offline(args: argparse.Namespace) -> int:
 
     import torch
 
+    from kiln.bench.offline import BenchSpec, format_table, run_latency, run_throughput
     from kiln.runtime import LLM
-    from kiln.runtime.benchmark import BenchSpec, format_table, run_latency, run_throughput
 
     from .text_file import read_text_arg
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 def compare_perplexity(checkpoint: Path, engine: Path, config, text: str) -> str:
+    from kiln.bench.perplexity import perplexity
     from kiln.builder.build import build_engine
     from kiln.runtime import LLM
-    from kiln.runtime.perplexity import perplexity
 
     def score(engine_dir: Path):
         return perplexity(LLM(engine_dir, device=config.device), text)

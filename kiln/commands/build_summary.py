@@ -22,7 +22,7 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype, num_kv_heads: int | Non
 
 def engine_summary(engine_dir: Path) -> str:
     from kiln.model_defs import build_network
-    from kiln.runtime.engine_loader import engine_quant_config, load_engine_info
+    from kiln.runtime.worker.engine_loader import engine_quant_config, load_engine_info
 
     info = load_engine_info(engine_dir, verify_checksums=False)
     build, mapping = info.config.build, info.config.mapping

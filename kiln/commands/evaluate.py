@@ -33,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kiln.bench.perplexity import perplexity
     from kiln.runtime import LLM
-    from kiln.runtime.perplexity import perplexity
 
     path = Path(args.text_file)
     text = read_text_arg(path, "--text-file")

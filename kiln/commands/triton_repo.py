@@ -14,7 +14,7 @@ def _bool(text: str) -> bool:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kiln.serve.triton_repo import SCHEDULER_POLICIES
+    from kiln.serve.tritonserver.repository import SCHEDULER_POLICIES
 
     p = sub.add_parser(
         "triton-repo", help="write a Triton Inference Server model repository for an engine",
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.serve.triton_repo import write_repository
+    from kiln.serve.tritonserver.repository import write_repository
 
     model = write_repository(
         args.engine, args.output, model_name=args.model_name, max_batch_size=args.max_batch_size,

@@ -2,7 +2,7 @@
 
 A scheme's name, its config factory, the parameters it takes, whether it is calibrated or grouped, the
 GPU it needs and whether `kiln build --qformat` makes it are said once, here, by its module (fp8.py,
-int8_sq.py, ...); `formats.py`'s tuples, `spec.py`'s checks and `runtime/device_support.py` read them.
+int8_sq.py, ...); `formats.py`'s tuples, `spec.py`'s checks and `runtime/worker/device_support.py` read them.
 `kiln.quant`'s `__init__` imports every scheme module, so the registry is full whenever any `kiln.quant`
 module can be imported. Imports nothing of kiln: the scheme modules import it, not the other way round.
 """

@@ -1,6 +1,6 @@
 """kiln's runtime: load an engine and generate with in-flight batching over a paged KV cache.
 
-The public names load lazily, so `kiln.runtime.scheduler` and `kiln.runtime.block_manager` (plain
+The public names load lazily, so `kiln.runtime.core.scheduler` and `kiln.runtime.core.block_manager` (plain
 Python) can be imported without pulling in torch.
 """
 
@@ -10,15 +10,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .async_llm import AsyncLLM
-    from .guided_decoding import GuidedDecoding
-    from .llm import LLM
-    from .options import RuntimeOptions
-    from .outputs import RequestOutput
-    from .sampling_params import SamplingParams
+    from kiln.runtime.core.guided_decoding import GuidedDecoding
+    from kiln.runtime.core.outputs import RequestOutput
+    from kiln.runtime.core.sampling_params import SamplingParams
+    from kiln.runtime.engine.async_llm import AsyncLLM
+    from kiln.runtime.engine.llm import LLM
+    from kiln.runtime.options import RuntimeOptions
 
-_PUBLIC = {"LLM": ".llm", "AsyncLLM": ".async_llm", "RequestOutput": ".outputs", "SamplingParams": ".sampling_params",
-           "GuidedDecoding": ".guided_decoding", "RuntimeOptions": ".options"}
+_PUBLIC = {"LLM": ".engine.llm", "AsyncLLM": ".engine.async_llm", "RequestOutput": ".core.outputs",
+           "SamplingParams": ".core.sampling_params", "GuidedDecoding": ".core.guided_decoding",
+           "RuntimeOptions": ".options"}
 __all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions"]
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .speculative.config import SpeculativeConfig, speculative_config_of
+from kiln.runtime.speculative.config import SpeculativeConfig, speculative_config_of
 
 if TYPE_CHECKING:
     import torch

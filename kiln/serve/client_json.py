@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidRequest
+from kiln.serve.errors import InvalidRequest
 
 # No field of either API takes an integer this large (seeds are below 2**64, token ids far below).
 MAX_INT = 2**64

@@ -11,17 +11,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kiln.runtime.async_llm import AsyncLLM
-from kiln.runtime.engine import Prompt
-from kiln.runtime.outputs import RequestOutput
-from kiln.runtime.request_failure import EngineDeadError, RequestFailed
-from kiln.runtime.sampling_params import SamplingParams
-
-from .errors import InternalError, InvalidRequest, Overloaded, RequestError, Unavailable
-from .guided_request import engine_refusal
-from .metrics import ServeMetrics
-from .prompt_work import PromptWorker
-from .request_progress import CumulativeOutput, RequestProgress
+from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
+from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.runtime.engine.async_llm import AsyncLLM
+from kiln.runtime.engine.engine import Prompt
+from kiln.serve.errors import InternalError, InvalidRequest, Overloaded, RequestError, Unavailable
+from kiln.serve.guided_request import engine_refusal
+from kiln.serve.metrics import ServeMetrics
+from kiln.serve.prompt_work import PromptWorker
+from kiln.serve.request_progress import CumulativeOutput, RequestProgress
 
 
 @dataclass(frozen=True)

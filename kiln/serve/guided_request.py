@@ -12,10 +12,9 @@ into an InvalidRequest naming the request field it came from.
 
 from __future__ import annotations
 
-from kiln.runtime.guided_decoding import GuidedDecoding
-
-from .client_json import shown
-from .errors import InvalidRequest
+from kiln.runtime.core.guided_decoding import GuidedDecoding
+from kiln.serve.client_json import shown
+from kiln.serve.errors import InvalidRequest
 
 # The OpenAI / vLLM fields that constrain the output, in the order an error lists them.
 OPENAI_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",

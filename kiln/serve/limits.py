@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .client_json import shown
-from .config import ServeConfig
-from .errors import InvalidRequest
+from kiln.serve.client_json import shown
+from kiln.serve.config import ServeConfig
+from kiln.serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from kiln.runtime.engine import Prompt
+    from kiln.runtime.engine.engine import Prompt
 
 # The default of --max-prompt-chars: a prompt that fits the engine is never refused for its size unless it
 # averages more than DEFAULT_CHARS_PER_TOKEN characters a token (English prose takes about 4, code about 3, and

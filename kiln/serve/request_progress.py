@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.core.outputs import RequestOutput
 
 
 class RequestProgress:

@@ -11,12 +11,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kiln.runtime.async_llm import AsyncLLM
-
-from .config import ServeConfig
-from .engine_service import EngineService
-from .http_app import make_http_app, make_metrics_app
-from .http_guard import LimitedTCPSite
+from kiln.runtime.engine.async_llm import AsyncLLM
+from kiln.serve.config import ServeConfig
+from kiln.serve.engine_service import EngineService
+from kiln.serve.http.app import make_http_app, make_metrics_app
+from kiln.serve.http.guard import LimitedTCPSite
 
 logger = logging.getLogger("kiln.serve")
 
@@ -46,7 +45,7 @@ class KilnServer:
         self._grpc = None
 
     async def start(self) -> None:
-        from . import kserve_grpc
+        from kiln.serve.kserve import grpc_server as kserve_grpc
 
         c = self.config
         if self._llm is None:

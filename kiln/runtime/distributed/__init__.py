@@ -7,7 +7,7 @@ the step channel (checked JSON, never pickles), `executor.py` is rank 0's `Execu
 other rank's step loop.
 """
 
-from .executor import TPExecutor
-from .launch import RankLaunch, launch_from_env
+from kiln.runtime.distributed.executor import TPExecutor
+from kiln.runtime.distributed.launch import RankLaunch, launch_from_env
 
 __all__ = ["RankLaunch", "TPExecutor", "launch_from_env"]

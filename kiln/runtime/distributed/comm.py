@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .own_group import OwnGroup
+from kiln.runtime.distributed.own_group import OwnGroup
 
 
 class TorchTPComm:

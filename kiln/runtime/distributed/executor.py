@@ -22,15 +22,14 @@ from collections.abc import Sequence
 import torch
 
 from kiln.engine_format import EngineError
-
-from ..engine_loader import EngineInfo, RuntimeConfig
-from ..model_step import StepInput, StepResult
-from .channel import PipeSender
-from .group import RankGroups
-from .launch import RankLaunch, start_local_workers
-from .rank import join, rank_runtime, start_runner
-from .step_codec import StepEncoder, encode_start
-from .store import SECRET_VARIABLE, launch_secret, new_secret
+from kiln.runtime.distributed.channel import PipeSender
+from kiln.runtime.distributed.group import RankGroups
+from kiln.runtime.distributed.launch import RankLaunch, start_local_workers
+from kiln.runtime.distributed.rank import join, rank_runtime, start_runner
+from kiln.runtime.distributed.step_codec import StepEncoder, encode_start
+from kiln.runtime.distributed.store import SECRET_VARIABLE, launch_secret, new_secret
+from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
+from kiln.runtime.worker.model_step import StepInput, StepResult
 
 logger = logging.getLogger("kiln.runtime")
 

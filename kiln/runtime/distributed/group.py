@@ -23,9 +23,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .launch import RankLaunch
-from .own_group import OwnGroup
-from .store import launch_secret, open_store
+from kiln.runtime.distributed.launch import RankLaunch
+from kiln.runtime.distributed.own_group import OwnGroup
+from kiln.runtime.distributed.store import launch_secret, open_store
 
 logger = logging.getLogger("kiln.runtime")
 

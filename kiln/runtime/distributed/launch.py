@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine_format import EngineError
-
-from .channel import PipeSender
+from kiln.runtime.distributed.channel import PipeSender
 
 # -P (Python 3.11+): the current directory does not go first on the worker's sys.path, so a checkout's
 # top-level kiln/ folder cannot shadow the installed package.

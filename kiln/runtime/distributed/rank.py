@@ -10,12 +10,11 @@ from collections.abc import Sequence
 import torch
 
 from kiln.engine_format import Mapping
-
-from ..engine_loader import EngineInfo, RuntimeConfig, load_network
-from ..model_runner import ModelRunner, RunnerLimits
-from .comm import TorchTPComm
-from .group import RankGroups
-from .launch import RankLaunch, rank_device
+from kiln.runtime.distributed.comm import TorchTPComm
+from kiln.runtime.distributed.group import RankGroups
+from kiln.runtime.distributed.launch import RankLaunch, rank_device
+from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig, load_network
+from kiln.runtime.worker.model_runner import ModelRunner, RunnerLimits
 
 logger = logging.getLogger("kiln.runtime")
 

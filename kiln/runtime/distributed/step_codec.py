@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from ..block_table import BlockTable
-from ..engine_loader import RuntimeConfig
-from ..model_step import StepInput
-from ..prompt_logprobs import PromptLogprobTarget
-from ..scheduler import ScheduledRequest, SchedulerOutput
-from .launch import RankLaunch
+from kiln.runtime.core.block_table import BlockTable
+from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.runtime.distributed.launch import RankLaunch
+from kiln.runtime.sampling.prompt_logprobs import PromptLogprobTarget
+from kiln.runtime.worker.engine_loader import RuntimeConfig
+from kiln.runtime.worker.model_step import StepInput
 
 FORMAT_VERSION = 1
 INT32_END = 2 ** 31  # token ids, block ids, positions and counts are below this (the runner packs them as int32)

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from kiln.engine_format import EngineError
-
-from .launch import RankLaunch
+from kiln.runtime.distributed.launch import RankLaunch
 
 logger = logging.getLogger("kiln.runtime")
 

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ..engine_loader import RuntimeConfig, load_engine_info
-from .channel import PipeReceiver
-from .group import RankGroups
-from .launch import RankLaunch
-from .rank import join, rank_runtime, start_runner
-from .step_codec import StepDecoder
+from kiln.runtime.distributed.channel import PipeReceiver
+from kiln.runtime.distributed.group import RankGroups
+from kiln.runtime.distributed.launch import RankLaunch
+from kiln.runtime.distributed.rank import join, rank_runtime, start_runner
+from kiln.runtime.distributed.step_codec import StepDecoder
+from kiln.runtime.worker.engine_loader import RuntimeConfig, load_engine_info
 
 logger = logging.getLogger("kiln.runtime")
 

@@ -5,6 +5,6 @@ step (1 + K positions per request) and keeps the longest accepted prefix plus on
 Only the config is imported here: the sampler imports `speculative.rejection`, and the proposers import
 the sampler."""
 
-from .config import SpeculativeConfig, speculative_config_of
+from kiln.runtime.speculative.config import SpeculativeConfig, speculative_config_of
 
 __all__ = ["SpeculativeConfig", "speculative_config_of"]

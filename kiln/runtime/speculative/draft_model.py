@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine_format import EngineError
-
-from ..block_manager import BlockManager
-from ..engine_loader import EngineInfo, RuntimeConfig, load_engine_info, resolve_runtime
-from ..executor import Executor
-from ..model_step import StepInput
-from ..sampler import Sampler, SamplingRow
-from ..scheduler import ScheduledRequest, SchedulerOutput
-from .proposer import DraftRequest, Proposal
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.runtime.sampling.sampler import Sampler, SamplingRow
+from kiln.runtime.speculative.proposer import DraftRequest, Proposal
+from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig, load_engine_info, resolve_runtime
+from kiln.runtime.worker.executor import Executor
+from kiln.runtime.worker.model_step import StepInput
 
 # Makes the executor of an engine (engine_factory.create_executor). Passed in by the factory rather than
 # imported: the factory imports the engine, which imports the speculator, which loads this proposer.

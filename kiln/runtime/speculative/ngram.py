@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .proposer import DraftRequest, Proposal
+from kiln.runtime.speculative.proposer import DraftRequest, Proposal
 
 
 def lookup(tokens: Sequence[int], max_tokens: int, ngram_min: int, ngram_max: int) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from ..sampler import SamplingRow
+from kiln.runtime.sampling.sampler import SamplingRow
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..request import Request, RequestStatus
-from ..sampler import SamplingRow
-from ..scheduler import ScheduledRequest
-from .config import SpeculativeConfig
-from .proposer import DraftRequest, Proposer
-from .rejection import DraftRows
-from .stats import SpeculationStats
+from kiln.runtime.core.request import Request, RequestStatus
+from kiln.runtime.core.scheduler import ScheduledRequest
+from kiln.runtime.sampling.sampler import SamplingRow
+from kiln.runtime.speculative.config import SpeculativeConfig
+from kiln.runtime.speculative.proposer import DraftRequest, Proposer
+from kiln.runtime.speculative.rejection import DraftRows
+from kiln.runtime.speculative.stats import SpeculationStats
 
 
 def verification_rows(items: Sequence[ScheduledRequest], offsets: Sequence[int],
@@ -134,11 +134,11 @@ def make_speculator(config: SpeculativeConfig, target, runtime, *, create_execut
     makes the draft engine's executor (`draft_model.ExecutorFactory`; passed in so that this package never
     imports the engine factory, which imports the engine)."""
     if config.method == "ngram":
-        from .ngram import NgramProposer
+        from kiln.runtime.speculative.ngram import NgramProposer
 
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
     else:
-        from .draft_model import DraftModelProposer
+        from kiln.runtime.speculative.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.load(config.model, target, runtime, create_executor=create_executor,
                                            verify_checksums=verify_checksums)

@@ -1,0 +1,207 @@
+"""Paged KV-cache bookkeeping with prefix caching (plain Python, no torch).
+
+The cache is `num_blocks` blocks of `block_size` token slots. A request owns an ordered list of blocks
+(its block table). A block that a request has completely filled and computed is registered under a hash
+of its tokens and of every token before it; a later request whose prompt starts with the same tokens
+reuses it instead of recomputing. When a request ends, its blocks return to a free queue but keep their
+contents and hash until the block is handed out again (least recently freed first), so cached prefixes
+survive as long as memory allows.
+
+Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `trim`, `free`. A table is
+handed out as a `BlockTable` (block_table.py): each list of blocks kept here is only ever appended to, so a
+snapshot is a reference and a length, not a copy, and says by its stamp whether it continues an earlier one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.runtime.core.block_table import BlockTable, new_stamp
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Blocks of the prefix cache that a prompt can start from (empty when nothing matched)."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+def _chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    # sha256 rather than Python's hash(): a collision would silently serve another prompt's KV.
+    h = hashlib.sha256(parent or b"")
+    h.update(",".join(map(str, tokens)).encode())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Blocks nobody uses, oldest-freed first; the dict keeps insertion order and O(1) removal.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # request id -> its blocks. Append-only: a table that loses blocks gets a new list (and stamp), so the
+        # BlockTables handed out stay valid snapshots.
+        self._tables: dict[str, list[int]] = {}
+        self._stamps: dict[str, int] = {}  # request id -> the stamp of its current list
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its first full blocks
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that could be allocated now, cached-but-unused ones included."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def block_table(self, request_id: str) -> BlockTable:
+        """A snapshot of the request's blocks, in order: O(1), it shares the live list, which only grows at
+        its end while the snapshot reads its first entries (empty for a request without blocks)."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return BlockTable([])
+        return BlockTable(table, len(table), self._stamps[request_id])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- verbs ---------------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """Longest run of cached full blocks that `token_ids` starts with. It never covers the last token,
+        whose logits the request still has to compute."""
+        if not self.enable_prefix_caching:
+            return CachedPrefix()
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        found: list[int] = []
+        parent: bytes | None = None
+        for i in range(max_blocks):
+            parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return CachedPrefix(tuple(found), len(found) * self.block_size)
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_prompt_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def can_allocate(self, request_id: str, num_tokens: int, prefix: CachedPrefix = CachedPrefix()) -> bool:
+        table = self._tables.get(request_id, [])
+        have = len(table) + len(prefix.block_ids)
+        new = max(0, self.blocks_needed(num_tokens) - have)
+        # Cached blocks taken from the free queue count against what is free.
+        reclaimed = sum(1 for b in prefix.block_ids if self._blocks[b].ref_count == 0)
+        return new + reclaimed <= len(self._free)
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: CachedPrefix = CachedPrefix()) -> bool:
+        """Makes the request own enough blocks for `num_tokens` tokens in total, starting its table with
+        `prefix` (only on its first allocation). Returns False and changes nothing if memory is short."""
+        table = self._tables.get(request_id)
+        if table is not None:
+            if prefix.block_ids:
+                raise ValueError(f"request {request_id} already has blocks; "
+                                 "a cached prefix only starts a table")
+            if len(table) * self.block_size >= num_tokens:  # the usual case: a decode within its last block
+                return True
+        if not self.can_allocate(request_id, num_tokens, prefix):
+            return False
+        if table is None:
+            table = self._tables[request_id] = []
+            self._stamps[request_id] = new_stamp()
+        for block_id in prefix.block_ids:
+            self._take(block_id)
+            table.append(block_id)
+        if prefix.block_ids:
+            self._hashes[request_id] = [self._blocks[b].block_hash for b in prefix.block_ids]  # type: ignore[misc]
+        while len(table) < self.blocks_needed(num_tokens):
+            block_id = next(iter(self._free))
+            self._evict(block_id)
+            self._take(block_id)
+            table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Registers the request's blocks that `num_computed_tokens` has completely filled. `token_ids` are
+        the request's accepted tokens; a computed position past them (a draft) is never hashed."""
+        if not self.enable_prefix_caching:
+            return
+        num_computed_tokens = min(num_computed_tokens, len(token_ids))
+        table = self._tables.get(request_id, [])
+        hashes = self._hashes.setdefault(request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(parent)
+            block = self._blocks[table[i]]
+            if block.block_hash is None and parent not in self._cached:
+                block.block_hash = parent
+                self._cached[parent] = block.block_id
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's blocks, last block first: the free queue hands out its oldest entries
+        first, so a request's private tail is reused before the shared prefix it started from."""
+        table = self._tables.pop(request_id, [])  # the list itself is left as it is: snapshots may read it
+        self._stamps.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        for block_id in reversed(table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Gives back the request's blocks past the first `num_tokens` tokens (slots of rejected drafts).
+        They hold no accepted token, so no hash: they go to the front of the free queue, to be reused before
+        any block that still caches a prefix."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        # A new list rather than popping: snapshots of the old one stay what they were.
+        self._tables[request_id] = table[:keep]
+        self._stamps[request_id] = new_stamp()
+        for block_id in reversed(table[keep:]):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                self._free.move_to_end(block.block_id, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block that no request uses."""
+        for block_id in list(self._free):
+            self._evict(block_id)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None

@@ -1,0 +1,135 @@
+"""Per-request sampling settings, validated at construction (no torch here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kiln.runtime.core.guided_decoding import GuidedDecoding
+
+
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
+
+
+MAX_TOP_LOGPROBS = 20
+# What each update of a request holds (vLLM's RequestOutputKind): everything so far, what is new since the
+# previous update, or nothing until the one final update.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. Penalties, then temperature, then top_k, top_p and min_p are applied
+    to the logits in that order. `seed` gives the request its own random generator, so its tokens do
+    not depend on what else is in the batch. `logprobs` returns the log-probability of each sampled
+    token under the model's own distribution (log_softmax of the raw logits, before any of the
+    processing above). `prompt_logprobs` returns, for each prompt token, its log-probability given the
+    tokens before it (None for the first). `top_logprobs` (with `logprobs`) also returns, per generated
+    token, the most likely `top_logprobs` tokens of that same distribution; `prompt_top_logprobs` (with
+    `prompt_logprobs`) does the same for every prompt position after the first. `min_tokens`: EOS and
+    `stop_token_ids` do not end the request before that many tokens are generated (stop strings still do).
+    `skip_special_tokens=False` keeps special tokens' text in the output text. `guided_decoding`
+    constrains the output to a JSON schema, any JSON object, a regex, an EBNF grammar or a list of choices
+    (`GuidedDecoding`; needs xgrammar); EOS then ends the request only where the constraint allows it.
+    `num_speculative_tokens`: on an engine that speculates, at most this many draft tokens per step for this
+    request (None: the engine's K; 0: none). Speculation never changes what is sampled: greedy output is the
+    same token for token, sampled output follows the same distribution. `output_kind` (vLLM's
+    RequestOutputKind): "cumulative" updates hold everything so far; "delta" updates hold only what is new
+    since the previous one (tokens, text, logprobs; prompt logprobs in the first), so a stream costs the
+    host in proportion to new tokens, not to the output so far; "final_only" gives one update, when the
+    request ends (`LLM.generate` always does).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    guided_decoding: GuidedDecoding | None = None
+    num_speculative_tokens: int | None = None
+    output_kind: str = "cumulative"
+
+    def __post_init__(self) -> None:
+        # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                 "must be an integer >= 1")
+        _require(_is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                 "must be a finite number >= 0 (0 means greedy)")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
+                 "must be an integer >= 0 (0 disables top-k)")
+        _require(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _require(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _require(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 self.repetition_penalty, "must be > 0 (1 disables it)")
+        _require(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+                 self.presence_penalty, "must be in [-2, 2]")
+        _require(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+                 self.frequency_penalty, "must be in [-2, 2]")
+        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
+                 "must be None or an integer in [0, 2**63)")
+        for s in self.stop:
+            _require(isinstance(s, str) and s != "", "stop", self.stop, "must be non-empty strings")
+        for t in self.stop_token_ids:
+            _require(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
+                     "must be non-negative integers")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, value, "must be True or False")
+        _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                 self.top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _require(self.top_logprobs == 0 or self.logprobs, "top_logprobs", self.top_logprobs,
+                 "needs logprobs=True")
+        _require(_is_int(self.prompt_top_logprobs) and 0 <= self.prompt_top_logprobs <= MAX_TOP_LOGPROBS,
+                 "prompt_top_logprobs", self.prompt_top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _require(self.prompt_top_logprobs == 0 or self.prompt_logprobs, "prompt_top_logprobs",
+                 self.prompt_top_logprobs, "needs prompt_logprobs=True")
+        _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecoding),
+                 "guided_decoding", self.guided_decoding, "must be None or a GuidedDecoding")
+        _require(self.num_speculative_tokens is None
+                 or (_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 0),
+                 "num_speculative_tokens", self.num_speculative_tokens,
+                 "must be None (the engine's) or an integer >= 0 (0: not speculated)")
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind,
+                 f"must be one of {', '.join(OUTPUT_KINDS)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens generated so far (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

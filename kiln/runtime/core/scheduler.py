@@ -1,0 +1,247 @@
+"""In-flight batching (plain Python, no torch).
+
+Every step the scheduler picks which requests advance and by how many tokens, within two limits:
+`max_num_tokens` tokens per step and `max_batch_size` requests per step. Running requests go first (a
+decode is one token; an unfinished prompt continues in chunks), then waiting ones in arrival order, so
+new requests join the batch at the next step. Long prompts are split across steps (chunked prefill).
+
+What fits in memory is the block manager's answer. When a running request cannot get a block, the most
+recently arrived running request is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed (its generated tokens are kept and re-fed), so no request is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from kiln.runtime.core.block_manager import BlockManager, CachedPrefix
+from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_size: int
+    max_num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_num_tokens < 1:
+            raise ValueError(f"limits must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, as plain data for the model runner."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens computed this step
+    start_position: int  # position of token_ids[0] (= tokens already in the cache)
+    # The request's whole block table: from the scheduler a BlockTable (block_table.py), a snapshot shared
+    # with the block manager rather than copied, whose stamp lets the runner write only the blocks added since
+    # it last saw the table; any other sequence of block ids works too (written whole each step).
+    block_ids: Sequence[int]
+    num_prompt_tokens: int
+    # How many of this step's last positions are sampled: 1 when the step reaches the end of the known
+    # tokens, 0 for a prefill chunk that does not. A step verifying k draft tokens samples k + 1.
+    num_sampled: int
+
+    @property
+    def sample(self) -> bool:
+        return self.num_sampled > 0
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        """The drafts this step verifies: the tokens after the first sampled position (sampled position j
+        decides on draft j; the last one's token is the target's own)."""
+        return self.token_ids[len(self.token_ids) - self.num_sampled + 1:] if self.num_sampled > 1 else ()
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order: the last one is preempted first
+        self._requests: dict[str, Request] = {}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (stop, length or abort) wherever it is, and frees its blocks."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.blocks.free(request_id)
+        return request
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self, finishing: Collection[str] = ()) -> SchedulerOutput:
+        """The next step. `finishing`: running requests that end when the step in flight completes (async
+        scheduling knows that of a request reaching its length before its last token is read back): they
+        are left out, so their tables never grow past what they may hold."""
+        budget = self.limits.max_num_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or request.request_id in finishing:
+                continue  # preempted earlier in this loop, or ending
+            if budget == 0 or len(scheduled) == self.limits.max_batch_size:
+                break
+            # A decoding request's drafts (speculative decoding) are computed with its last token; the budget
+            # may cut them short.
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids), budget)
+            while not self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        # Waiting requests start only if nobody was preempted this step (memory is known to be short).
+        while self.waiting and not preempted and budget > 0 and len(scheduled) < self.limits.max_batch_size:
+            request = self.waiting[0]
+            # A preempted request looks up its generated tokens too: its own blocks may still be cached.
+            # Prompt logprobs need every prompt position computed, so those requests skip the cache.
+            prefix = CachedPrefix()
+            if not request.sampling_params.prompt_logprobs:
+                prefix = self.blocks.find_cached_prefix(request.all_token_ids)
+            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            if not self.blocks.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                self.blocks.record_prefix_lookup(request.num_prompt_tokens, prefix.num_tokens)
+                request.num_cached_prompt_tokens = prefix.num_tokens
+            request.num_computed_tokens = prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            requests=tuple(self._describe(r, n) for r, n in scheduled),
+            preempted_ids=tuple(preempted),
+        )
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        known_end = min(end, request.num_tokens)
+        tokens = request.token_slice(start, known_end)
+        if end > known_end:
+            tokens = tokens + request.draft_token_ids[:end - known_end]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(tokens),
+            start_position=start,
+            block_ids=self.blocks.block_table(request.request_id),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_sampled=end - request.num_tokens + 1 if end >= request.num_tokens else 0,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.draft_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def advance_inflight(self, output: SchedulerOutput, max_seq_len: int) -> set[str]:
+        """Async scheduling, before a launched step's tokens are read back: advances each of its requests past
+        the tokens it computes and gives each sampled one a PLACEHOLDER output token, so the next step can be
+        scheduled now (the device feeds the real token in). Returns the requests that end when the step
+        completes whatever token it samples (max_tokens or max_seq_len reached): `schedule(finishing=...)`.
+        Needs one sampled position per request (no drafts); `resolve_inflight` finishes the update."""
+        finishing = set()
+        for item in output.requests:
+            request = self._requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:  # ended while the step ran
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            if item.num_sampled:
+                request.output_token_ids.append(PLACEHOLDER)
+                if len(request.output_token_ids) >= request.sampling_params.max_tokens or \
+                        request.num_tokens >= max_seq_len:
+                    finishing.add(item.request_id)
+        return finishing
+
+    def resolve_inflight(self, output: SchedulerOutput, accepted: Mapping[str, Sequence[int]]) -> None:
+        """Async scheduling, once the step `advance_inflight` advanced is read back: its sampled token replaces
+        each request's PLACEHOLDER, and blocks the step filled enter the prefix cache (only now are their
+        tokens known)."""
+        for item in output.requests:
+            request = self._requests.get(item.request_id)
+            if request is None:
+                continue
+            if item.num_sampled:
+                tokens = accepted.get(item.request_id, ())
+                if len(tokens) != 1 or request.output_token_ids[-1] != PLACEHOLDER:
+                    raise RuntimeError(f"request {item.request_id}: no placeholder for its token {tokens}")
+                request.output_token_ids[-1] = tokens[0]
+            if request.status != RequestStatus.RUNNING:  # preempted by the step scheduled since: recomputed
+                continue
+            # The step's tokens end at the computed count the advance left (the next step is not advanced yet).
+            end = request.num_computed_tokens
+            if end // self.blocks.block_size > (end - len(item.token_ids)) // self.blocks.block_size:
+                self.blocks.cache_full_blocks(request.request_id, request.token_view(), end)
+
+    def update_after_step(self, output: SchedulerOutput, accepted: Mapping[str, Sequence[int]]) -> None:
+        """Advances each scheduled request past the tokens it computed and appends its accepted tokens.
+
+        `accepted` maps a request to the tokens it keeps from its sampled positions, in order (one today;
+        with draft tokens, the drafts that matched and one more). Sampled positions whose tokens were
+        not accepted are rolled back: their KV is recomputed later, and the prefix cache only ever hashes
+        accepted tokens.
+        """
+        for item in output.requests:
+            request = self._requests.get(item.request_id)
+            if request is None:  # finished (aborted) while the step ran
+                continue
+            tokens = accepted.get(item.request_id, ())
+            rejected = max(0, item.num_sampled - len(tokens))
+            before = request.num_computed_tokens
+            request.num_computed_tokens += len(item.token_ids) - rejected
+            request.output_token_ids.extend(tokens)
+            if item.num_sampled > 1:  # verified drafts: the rejected ones' slots go back
+                request.draft_token_ids = []
+                self.blocks.trim(item.request_id, request.num_tokens)
+            if request.num_computed_tokens // self.blocks.block_size > before // self.blocks.block_size:
+                self.blocks.cache_full_blocks(request.request_id, request.token_view(),
+                                              request.num_computed_tokens)

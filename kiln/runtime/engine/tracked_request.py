@@ -1,0 +1,94 @@
+"""What the engine keeps for a request besides the scheduler's state: its text, its generator and the
+logprobs it asked for, and how they become a RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.request import Request
+from kiln.runtime.core.request_failure import RequestFailure
+from kiln.runtime.engine.detokenizer import IncrementalDetokenizer
+from kiln.runtime.sampling.sampler import SamplingRow
+
+
+@dataclass(eq=False)
+class TrackedRequest:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None  # the request's own, when it has a seed (on the runtime device)
+    logprobs: list[float] | None
+    prompt_logprobs: list[float | None] | None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    # output_kind "delta": how many tokens and characters of text earlier updates handed out
+    sent_tokens: int = 0
+    sent_text: int = 0
+    num_updates: int = 0
+    # Set when something went wrong for this request alone; the engine ends it with finish_reason "error".
+    failure: RequestFailure | None = None
+
+    @classmethod
+    def start(cls, request: Request, tokenizer, device: torch.device) -> TrackedRequest:
+        """The engine-side state of a request just added."""
+        params, num_prompt = request.sampling_params, request.num_prompt_tokens
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(
+            request=request,
+            detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.stop,
+                                               skip_special_tokens=params.skip_special_tokens),
+            generator=generator,
+            logprobs=[] if params.logprobs else None,
+            top_logprobs=[] if params.top_logprobs else None,
+            prompt_logprobs=[None] * num_prompt if params.prompt_logprobs else None,
+            prompt_top_logprobs=[None] * num_prompt if params.prompt_top_logprobs else None,
+        )
+
+    def sampling_row(self) -> SamplingRow:
+        r = self.request
+        return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self.generator)
+
+    def output(self, upto: int | None = None) -> RequestOutput:
+        """The request's output so far (lists copied: the caller may keep it), or with output_kind "delta" what
+        is new since the previous call: tokens up to `upto` (the tokens an update covers; default all)."""
+        r = self.request
+        text = self.detokenizer.readable_text(r.status.finished)  # never cut later: what was sent stays its prefix
+        if r.sampling_params.output_kind != "delta":
+            return self._window(0, len(r.output_token_ids), text, with_prompt=True)
+        first = self.sent_tokens
+        self.sent_tokens = max(first, len(r.output_token_ids) if upto is None else upto)
+        new_text, self.sent_text = text[self.sent_text:], max(self.sent_text, len(text))
+        # Prompt logprobs are complete before the first update: they go in that one only.
+        prompt_update, self.num_updates = self.num_updates == 0, self.num_updates + 1
+        return self._window(first, self.sent_tokens, new_text, with_prompt=prompt_update)
+
+    def _window(self, first: int, end: int, text: str, with_prompt: bool) -> RequestOutput:
+        """An output of generated tokens [first, end) (and their logprobs), `text`, and the prompt's logprobs
+        when `with_prompt`; every list a copy."""
+        r = self.request
+        finished = r.status.finished
+
+        def part(values):  # per generated token, like token_ids
+            return values[first:end] if values is not None else None
+
+        def prompt(values):  # per prompt token
+            return list(values) if values is not None and with_prompt else None
+
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            token_ids=r.output_token_ids[first:end],
+            text=text,
+            finish_reason=r.status.value if finished else None,
+            logprobs=part(self.logprobs),
+            top_logprobs=part(self.top_logprobs),
+            prompt_logprobs=prompt(self.prompt_logprobs),
+            prompt_top_logprobs=prompt(self.prompt_top_logprobs),
+            num_cached_tokens=r.num_cached_prompt_tokens,
+            error=self.failure if finished else None,
+        )

@@ -1,0 +1,62 @@
+"""The executor seam: what the engine core calls to run the network, wherever the network lives.
+
+The engine schedules, samples and detokenizes; an executor only turns a plain-data `StepInput` into
+logits. `LocalExecutor` runs one rank in this process; `distributed.TPExecutor` is rank 0 of a
+tensor-parallel engine, which sends each StepInput to the other ranks and returns the gathered logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kiln.model_defs import CausalLM
+from kiln.runtime.worker.engine_loader import RuntimeConfig
+from kiln.runtime.worker.memory import MemoryReport
+from kiln.runtime.worker.model_runner import ModelRunner, RunnerLimits
+from kiln.runtime.worker.model_step import StepInput, StepResult
+
+
+class Executor(Protocol):
+    num_kv_blocks: int  # KV blocks each rank holds (the block manager manages this many)
+    memory_report: MemoryReport  # where rank 0's device memory went at startup
+    graph_capture_seconds: float
+    fault: str | None  # why steps cannot run any more (a rank failed); None while they can
+    # Whether execute takes a StepInput with a TokenFeed (async scheduling): the previous step's tokens stay on
+    # this process's device, which the ranks of a tensor-parallel engine do not share.
+    accepts_token_feed: bool
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Runs one step on every rank; logits come back on rank 0's device."""
+        ...
+
+    def shutdown(self) -> None:
+        """Releases the ranks (workers, process groups); the executor is unusable afterwards."""
+        ...
+
+
+class LocalExecutor:
+    """One rank in this process: a ModelRunner over an already loaded network. `kv_cache_scales`: the
+    engine's per-layer (k_scale, v_scale) for a quantized (FP8, INT8) KV cache, None for a float cache."""
+
+    def __init__(self, model: CausalLM, runtime: RuntimeConfig,
+                 kv_cache_scales: Sequence[tuple[float, float]] | None = None) -> None:
+        limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
+                              max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
+                              num_kv_blocks=runtime.num_kv_blocks,
+                              kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
+                              cuda_graphs=runtime.cuda_graphs)
+        self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype,
+                                  limits=limits, kv_cache_scales=kv_cache_scales)
+        # Fixed once the runner has started.
+        self.num_kv_blocks = self.runner.num_kv_blocks
+        self.memory_report = self.runner.memory_report
+        self.graph_capture_seconds = self.runner.graph_capture_seconds
+        self.fault = None
+        self.accepts_token_feed = True
+
+    def execute(self, step: StepInput) -> StepResult:
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        pass

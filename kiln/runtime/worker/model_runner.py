@@ -1,0 +1,158 @@
+"""The model runner: owns the device tensors (weights, KV cache, graph buffers) and turns one StepInput into
+logits.
+
+Its pieces live in their own files: memory planning (memory.py, memory_profile.py), the KV cache
+(kv_cache.py), input packing (step_inputs.py), decode and prefill CUDA graphs (cuda_graphs.py,
+prefill_graphs.py) and prompt logprobs
+(prompt_logprobs.py). At startup on CUDA it measures the activation peak of one step at the engine's
+limits, sizes the KV cache from what is left, then captures the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.engine_format import Mapping
+from kiln.model_defs import CausalLM
+from kiln.runtime.sampling.prompt_logprobs import prompt_logprobs
+from kiln.runtime.worker import memory
+from kiln.runtime.worker.cuda_graphs import DecodeGraphs, decode_batch
+from kiln.runtime.worker.kv_cache import KVCache, rank_cache_config
+from kiln.runtime.worker.memory_profile import profile_activation_bytes
+from kiln.runtime.worker.model_step import StepInput, StepResult
+from kiln.runtime.worker.prefill_graphs import PrefillGraphs, prefill_batch
+from kiln.runtime.worker.step_inputs import feed_tokens, pack_step
+
+logger = logging.getLogger("kiln.runtime")
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    """The runtime limits the runner sizes its memory for."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    block_size: int
+    num_kv_blocks: int | None  # None: as many as kv_cache_memory_fraction allows
+    kv_cache_memory_fraction: float = 0.9
+    cuda_graphs: bool = True
+
+
+class ModelRunner:
+    """`kv_cache_scales`: per layer (k_scale, v_scale) of a quantized (FP8, INT8) `kv_cache_dtype`
+    (engine.json `kv_cache_scales`), None for a float cache; every step's ForwardContext carries them as
+    device tensors.
+
+    On a tensor-parallel rank (`mapping`), the cache holds this rank's KV heads, and `agree_num_blocks`
+    turns the blocks this rank's memory holds into the number every rank allocates (the minimum); every
+    rank must construct its runner and execute the same steps in the same order (their collectives meet)."""
+
+    def __init__(self, model: CausalLM, *, device: torch.device, kv_cache_dtype: torch.dtype,
+                 limits: RunnerLimits, kv_cache_scales: Sequence[tuple[float, float]] | None = None,
+                 mapping: Mapping | None = None, agree_num_blocks: Callable[[int], int] | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.limits = limits
+        self.block_size = limits.block_size
+        model.setup_rotary(limits.max_seq_len, device)
+        cache_config = rank_cache_config(model.config, mapping)
+        weights = memory.tensor_bytes(model)
+        fraction = limits.kv_cache_memory_fraction
+        activation = 0
+        if device.type == "cuda":
+            activation = profile_activation_bytes(
+                model, max_num_tokens=limits.max_num_tokens, max_batch_size=limits.max_batch_size,
+                max_seq_len=limits.max_seq_len, block_size=limits.block_size, kv_dtype=kv_cache_dtype,
+                device=device, fraction=fraction, kv_scales=kv_cache_scales, cache_config=cache_config)
+        # Ranks on one host share its memory: on the CPU each takes its share of the fraction.
+        host_share = 1 if device.type == "cuda" or mapping is None else mapping.tp_size
+        num_blocks = memory.plan_kv_blocks(
+            device, KVCache.bytes_per_block(cache_config, limits.block_size, kv_cache_dtype), limits.num_kv_blocks,
+            fraction=fraction / host_share, activation_bytes=activation, weights_bytes=weights,
+            max_batch_size=limits.max_batch_size, max_seq_len=limits.max_seq_len, block_size=limits.block_size)
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
+        try:
+            self.kv_cache = KVCache(cache_config, num_blocks, limits.block_size, kv_cache_dtype, device,
+                                    kv_cache_scales)
+        except torch.OutOfMemoryError:
+            raise memory.out_of_memory(f"allocating {num_blocks} KV blocks", fraction) from None
+        self.num_kv_blocks = num_blocks
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.graph_capture_seconds = 0.0
+        graph_bytes = 0
+        if device.type == "cuda" and limits.cuda_graphs:
+            graph_bytes = self._capture_graphs(fraction)
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+        self.memory_report = memory.MemoryReport(
+            device=str(device), total_bytes=total, weights_bytes=weights, activation_bytes=activation,
+            kv_cache_bytes=self.kv_cache.nbytes, graph_bytes=graph_bytes, num_kv_blocks=num_blocks,
+            block_size=limits.block_size, max_seq_len=limits.max_seq_len, kv_cache_memory_fraction=fraction,
+            kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
+            kv_bytes_per_token=KVCache.bytes_per_token(cache_config, kv_cache_dtype),
+            tp_size=1 if mapping is None else mapping.tp_size)
+        logger.info("%s", self.memory_report.summary())
+
+    def _capture_graphs(self, fraction: float) -> int:
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        max_blocks = -(-self.limits.max_seq_len // self.block_size)
+        try:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, max_batch_size=self.limits.max_batch_size,
+                                       max_blocks_per_seq=max_blocks, device=self.device,
+                                       kv_scales=self.kv_cache.scales)
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache.layers,
+                                                max_num_tokens=self.limits.max_num_tokens,
+                                                max_blocks_per_seq=max_blocks, block_size=self.block_size,
+                                                device=self.device, kv_scales=self.kv_cache.scales)
+            # One memory pool: no two graphs run at once. Prefill first: its largest size needs the most.
+            pool = torch.cuda.graph_pool_handle()
+            prefill_seconds = self.prefill_graphs.capture(pool)
+            decode_seconds = self.graphs.capture(pool)
+            self.graph_capture_seconds = prefill_seconds + decode_seconds
+        except torch.OutOfMemoryError:
+            raise memory.out_of_memory("capturing CUDA graphs", fraction) from None
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.2fs and single-sequence prefill token "
+                    "counts %s in %.2fs", self.graphs.sizes, decode_seconds, self.prefill_graphs.sizes,
+                    prefill_seconds)
+        return max(0, free_before - free_after)
+
+    def release_graphs(self) -> None:
+        """Destroys the CUDA graphs (decode steps run eagerly afterwards); a tensor-parallel rank does this
+        before leaving its process groups."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepResult:
+        """Runs one step: a captured graph for a plain decode batch or a single sequence's prefill, else the
+        packed batch eagerly."""
+        schedule, targets, feed = step.schedule, step.prompt_logprob_targets, step.token_feed
+        request_ids = tuple(r.request_id for r in schedule.requests)
+        if self.graphs is not None and self.graphs.fits(len(schedule.requests)):
+            batch = decode_batch(schedule, self.block_size, self.model, targets, feed)
+            if batch is not None:
+                logits = self.graphs.run(batch, feed.tokens if feed is not None else None)  # [n, V]
+                return StepResult(logits, request_ids, tuple(range(len(batch) + 1)))
+        if self.prefill_graphs is not None:
+            one = prefill_batch(schedule, self.model, targets, feed)
+            if one is not None and self.prefill_graphs.fits(len(one)):
+                logits = self.prefill_graphs.run(one)  # [num_sampled, V]
+                return StepResult(logits, request_ids, (0, one.num_sampled))
+        packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device, self.kv_cache.scales)
+        if feed is not None:
+            feed_tokens(packed.input_ids, schedule, feed)
+        hidden = self.model(packed.input_ids, packed.context)  # [T, H]
+        logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, V]
+        logprobs = prompt_logprobs(schedule, hidden, targets, self.model.compute_logits) if targets else {}
+        return StepResult(logits, request_ids, packed.logits_offsets, logprobs)

@@ -1,0 +1,193 @@
+"""/v1/chat/completions: checking the messages, rendering the chat template, and presenting the choices.
+`chat_messages` and `chat_prompt` also serve /tokenize.
+
+With `tools`, the template renders them (transformers' `apply_chat_template(..., tools=...)`); tool_choice
+"auto" reads the answer for tool calls, "required" and a named function constrain it to one call
+(tool_specs.py checks the fields, tool_calls.py reads and constrains the model's format, openai_tool_output.py
+presents the calls). `response_format` and vLLM's guided_* fields constrain the text (guided_request.py).
+"""
+
+from __future__ import annotations
+
+from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.sampling_params import MAX_TOP_LOGPROBS
+from kiln.serve.client_json import check_values
+from kiln.serve.config import ServeConfig
+from kiln.serve.engine_service import Delta, EngineService
+from kiln.serve.errors import InvalidRequest
+from kiln.serve.guided_request import openai_guided
+from kiln.serve.limits import RequestLimits
+from kiln.serve.openai import request as common
+from kiln.serve.openai.format import chat_logprobs, stop_string
+from kiln.serve.openai.request import Choice, Job
+from kiln.serve.openai.tool_calls import PARSERS, default_parser
+from kiln.serve.openai.tool_output import ToolOutput, ToolStream
+from kiln.serve.openai.tool_specs import ToolChoice, check_tool_choice, check_tools, template_tool_calls
+
+_CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                       "tool_choice"}
+
+
+def tool_call_parser(config: ServeConfig, service: EngineService) -> str:
+    """--tool-call-parser, else the format of the engine's architecture."""
+    return config.tool_call_parser or default_parser(service.llm.engine.info.spec.architecture)
+
+
+def chat_messages(messages) -> list[dict]:
+    """Checks the messages; content given as text parts is joined into one string for the template."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects",
+                             "messages")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise InvalidRequest(f"messages[{i}] must be an object with a 'role' string and 'content'", "messages")
+        content = message.get("content")
+        tool_calls = template_tool_calls(message, i)
+        if tool_calls is not None:  # an assistant turn that called tools may have no content
+            message = {**message, "tool_calls": tool_calls}
+            content = "" if content is None else content
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InvalidRequest(f"messages[{i}].content: only {{\"type\": \"text\", \"text\": ...}} parts are "
+                                     "supported", "messages")
+            content = "\n".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        checked.append({**message, "content": content})
+    return checked
+
+
+def check_messages_size(service: EngineService, limits: RequestLimits, messages: list[dict]) -> int:
+    """The checked messages' content, all together, against --max-prompt-chars before the template renders it
+    -> its size in characters."""
+    size = sum(len(message["content"]) for message in messages)
+    limits.check_prompt_chars("the messages' content", size, "messages", service.max_seq_len)
+    return size
+
+
+def chat_prompt(service: EngineService, chat_template: str | None, messages: list[dict],
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+    """Renders the chat template (with `tools`, the request's tool objects, when given) and tokenizes it, adding
+    the BOS token only if the template did not. Slow for long messages: run it on the service's prompt worker."""
+    tokenizer = service.tokenizer
+    if tokenizer is None:
+        raise InvalidRequest("this engine has no tokenizer, so it cannot serve chat; use /v1/completions with "
+                             "token ids", "messages")
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise InvalidRequest(f"model '{service.model_name}' has no chat template; start the server with "
+                             "`kiln serve --chat-template FILE` (a Jinja template) or use /v1/completions",
+                             "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools or None,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # a template may reject any message (jinja's raise_exception, a missing key, ...)
+        raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+    bos = tokenizer.bos_token
+    return list(tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
+
+
+def _max_chat_tokens(service: EngineService, num_prompt_tokens: int) -> int:
+    """The default: as much as fits in both the sequence limit and the KV cache."""
+    stats = service.llm.kv_cache_stats()
+    room = min(service.max_seq_len, stats["total_blocks"] * stats["block_size"]) - num_prompt_tokens
+    if room < 1:
+        raise InvalidRequest(f"the messages take {num_prompt_tokens} tokens, leaving no room for a reply within "
+                             f"max_seq_len {service.max_seq_len}", "messages")
+    return room
+
+
+def _constraint(body: dict, tool_choice: ToolChoice, parser: str):
+    """-> (the output's GuidedDecoding or None, the field it comes from)."""
+    guided, field = openai_guided(body)
+    if not tool_choice.constrained:
+        return guided, field
+    if guided is not None:
+        which = repr(tool_choice.mode) if tool_choice.mode == "required" else f"naming {tool_choice.tools[0].name!r}"
+        raise InvalidRequest(f"{field} cannot be combined with tool_choice {which}, which constrains the answer to "
+                             "a tool call", field)
+    return PARSERS[parser].constraint(tool_choice.tools), "tools"
+
+
+async def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits,
+                   tool_call_parser: str = "llama3_json") -> Job:
+    """Checks the request; the template is rendered and tokenized on the service's prompt worker, never on the
+    event loop, once the messages' size is within --max-prompt-chars."""
+    n, stream, include_usage = common.n_and_stream(body, limits)
+    limits.check_sequences(1, n)
+    check_values(body)
+    common.check_fields(body, _CHAT_FIELDS, n)
+    tools = check_tools(body.get("tools"))
+    tool_choice = check_tool_choice(body.get("tool_choice"), tools)
+    guided, guided_field = _constraint(body, tool_choice, tool_call_parser)
+    count_tokens = limits.prompt_tokens(service.tokenize, "messages")
+    messages = chat_messages(body.get("messages"))
+    size = check_messages_size(service, limits, messages)
+
+    def render() -> list[int]:
+        return count_tokens(chat_prompt(service, chat_template, messages, tools=[t.spec for t in tools]))
+
+    token_ids = await service.run_prompt_work(render, size=size)
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = common.get_field(body, limit_field, None, int, "an integer >= 1")
+    if max_tokens is None:
+        max_tokens = _max_chat_tokens(service, len(token_ids))
+    else:
+        common.check_max_tokens(service, max_tokens, limit_field)
+    want_logprobs = common.get_field(body, "logprobs", False, bool, "true or false")
+    keep_stop = common.get_field(body, "include_stop_str_in_output", False, bool, "true or false")
+    names = {"max_tokens": limit_field, "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
+    top_logprobs = common.get_field(body, "top_logprobs", 0, int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    params = common.sampling_params(body, names, max_tokens=max_tokens, logprobs=want_logprobs,
+                                    top_logprobs=top_logprobs, guided_decoding=guided)
+    choices = [Choice(j, token_ids, p, j == 0, keep_stop=keep_stop)
+               for j, p in enumerate(common.seeded_choices(params, n, names))]
+    tokenizer = service.tokenizer
+    eos = service.llm.engine.eos_token_ids
+
+    def logprobs(token_ids, lps, tops) -> dict | None:
+        return chat_logprobs(tokenizer, token_ids, lps, tops) if want_logprobs else None
+
+    def text_of(choice: Choice, out: RequestOutput, text: str) -> str:
+        return text + stop_string(tokenizer, choice.params, eos, out) if choice.keep_stop and out.finished else text
+
+    # tool_choice "none" (or no tools): the answer is plain text, never read for calls
+    tool_output = ToolOutput(PARSERS[tool_call_parser], tool_choice) if tool_choice.tools else None
+    tool_streams: dict[int, ToolStream] = {}
+
+    def format_choice(choice: Choice, out: RequestOutput) -> dict:
+        text = text_of(choice, out, out.text)
+        message, finish_reason = {"role": "assistant", "content": text}, out.finish_reason
+        if tool_output is not None:
+            message, finish_reason = tool_output.message(text, finish_reason)
+        return {"index": choice.index, "message": message, "finish_reason": finish_reason,
+                "logprobs": logprobs(out.token_ids, out.logprobs, out.top_logprobs)}
+
+    def format_delta(choice: Choice, delta: Delta, first: bool) -> list[dict]:
+        pieces = []
+        if first:
+            pieces.append({"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                           "finish_reason": None, "logprobs": None})
+        lps = logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
+        text, call_deltas, finish_reason = text_of(choice, delta.output, delta.text), [], delta.finish_reason
+        if tool_output is not None:  # content and calls come from the text so far (held back where a call may be)
+            stream_state = tool_streams.setdefault(choice.index, tool_output.stream())
+            full = text_of(choice, delta.output, delta.output.text)
+            text, call_deltas, finish_reason = stream_state.step(full, delta.finished, delta.finish_reason)
+            if delta.finished:
+                tool_streams.pop(choice.index, None)
+        if text or lps and lps["content"] or (delta.finished and not call_deltas):
+            pieces.append({"index": choice.index, "delta": {"content": text} if text else {},
+                           "finish_reason": None if call_deltas else finish_reason, "logprobs": lps})
+        for tool_calls in call_deltas:
+            pieces.append({"index": choice.index, "delta": {"tool_calls": tool_calls}, "finish_reason": None,
+                           "logprobs": None})
+        if call_deltas:  # the finish reason comes after the calls, as OpenAI sends it
+            pieces.append({"index": choice.index, "delta": {}, "finish_reason": finish_reason, "logprobs": None})
+        return pieces
+
+    return Job(common.new_id("chatcmpl"), choices, stream, include_usage, "messages", "chat.completion",
+               "chat.completion.chunk", format_choice, format_delta, service.model_name, guided_field=guided_field)
+
+

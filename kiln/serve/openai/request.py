@@ -1,0 +1,158 @@
+"""What both OpenAI endpoints share between a request body and kiln work: the `Job` a request becomes (one engine
+request per choice: prompt i, choice j -> choice index i*n+j, and the functions that present what those requests
+produce) and the checks of the fields both endpoints take (every invalid field is a 400 naming it; `n` and the
+sequence count against the server's RequestLimits before anything is tokenized).
+
+openai_completions.py and openai_chat.py build the jobs of /v1/completions and /v1/chat/completions;
+openai_format.py makes OpenAI's objects; openai_api.py is the HTTP side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.runtime.engine.engine import Prompt
+from kiln.serve.client_json import shown
+from kiln.serve.engine_service import Delta, EngineService
+from kiln.serve.errors import InvalidRequest, NotFound
+from kiln.serve.limits import RequestLimits
+from kiln.serve.openai.format import usage as usage_object
+
+# Structured output (guided_request.py), on both endpoints.
+GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                           "structured_outputs"})
+# Fields whose OpenAI (or vLLM) name and meaning are SamplingParams' own.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                   "skip_special_tokens")
+COMMON_FIELDS = frozenset({"model", "n", "stream", "stream_options", "user", "max_tokens",
+                           "include_stop_str_in_output", *SAMPLING_FIELDS, *GUIDED_FIELDS})
+# Unsupported fields are fine when null or empty, or at one of these values that ask for nothing.
+_HARMLESS_VALUES = {"tool_choice": ["none"], "modalities": [["text"]],
+                    "service_tier": ["auto", "default"], "parallel_tool_calls": [True, False], "store": [False]}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request of a response: choice `index`."""
+
+    index: int
+    prompt: Prompt
+    params: SamplingParams
+    counts_prompt: bool  # the first choice of its prompt (usage counts each prompt once, as OpenAI does)
+    echo: str = ""  # text put before the completion (completions' `echo`)
+    # completions' `max_tokens: 0` (with echo): the engine generates one token, which the answer leaves out
+    drop_output: bool = False
+    keep_stop: bool = False  # `include_stop_str_in_output`: the stop string that ended the text stays in it
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked request: its engine requests and how to present what they produce."""
+
+    id: str
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+    prompt_field: str  # the field that engine complaints about a prompt point at
+    object: str
+    chunk_object: str
+    # a finished choice as it appears in the whole answer
+    format_choice: Callable[[Choice, RequestOutput], dict]
+    # streamed choice objects for one delta; the bool says it is the choice's first
+    format_delta: Callable[[Choice, Delta, bool], list[dict]]
+    model: str
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # the field the output constraint came from (response_format, guided_json, tools, ...): an engine complaint
+    # about the constraint names it
+    guided_field: str | None = None
+
+
+# ---- checking a request ------------------------------------------------------------------------------
+def check_fields(body: dict, supported: set[str], n: int) -> None:
+    for name, value in body.items():
+        if name in supported or value in (None, "", [], {}) or value in _HARMLESS_VALUES.get(name, []):
+            continue
+        if name == "best_of" and value == n:
+            continue
+        raise InvalidRequest(f"'{name}' is not supported by kiln serve (got {shown(value)})", name)
+
+
+def check_model(body: dict, service: EngineService) -> None:
+    model = body.get("model")
+    if model is not None and model != service.model_name:
+        raise NotFound(f"The model '{model}' does not exist; this server serves '{service.model_name}'", "model")
+
+
+def get_field(body: dict, name: str, default, kind: type | tuple[type, ...], rule: str):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequest(f"{name}={shown(value)} is invalid: must be {rule}", name)
+    return value
+
+
+def n_and_stream(body: dict, limits: RequestLimits) -> tuple[int, bool, bool]:
+    """-> (n, stream, include_usage)."""
+    n = get_field(body, "n", 1, int, f"an integer in [1, {limits.max_n}] (--max-n)")
+    limits.check_n(n)
+    stream = get_field(body, "stream", False, bool, "true or false")
+    options = get_field(body, "stream_options", {}, dict, "an object such as {\"include_usage\": true}")
+    if options and not stream:
+        raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+    include_usage = get_field(options, "include_usage", False, bool, "true or false")
+    return n, stream, include_usage
+
+
+def sampling_params(body: dict, field_names: dict[str, str], **fixed) -> SamplingParams:
+    """SamplingParams from the request; `field_names` maps a SamplingParams field to the request's name."""
+    kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    for name in ("stop", "stop_token_ids"):
+        if name in kwargs and not isinstance(kwargs[name], (list, str) if name == "stop" else list):
+            rule = "a string or a list of strings" if name == "stop" else "a list of token ids"
+            raise InvalidRequest(f"{name}={shown(kwargs[name])} is invalid: must be {rule}", name)
+    try:
+        return SamplingParams(**kwargs, **fixed)
+    except ValueError as e:
+        raise _openai_error(e, field_names) from None
+
+
+def _openai_error(e: ValueError, field_names: dict[str, str]) -> InvalidRequest:
+    """SamplingParams' "SamplingParams.<field>=<value> is invalid: ..." with the request's field name."""
+    message = str(e)
+    field = message.removeprefix("SamplingParams.").split("=", 1)[0]
+    param = field_names.get(field, field)
+    return InvalidRequest(param + message.removeprefix(f"SamplingParams.{field}"), param)
+
+
+def check_max_tokens(service: EngineService, max_tokens: int, field: str) -> None:
+    if max_tokens >= service.max_seq_len:  # (with a prompt that fits, the engine says how much room is left)
+        raise InvalidRequest(f"{field}={max_tokens} is invalid: must be below max_seq_len {service.max_seq_len}, "
+                             "which also holds the prompt", field)
+
+
+def seeded_choices(params: SamplingParams, n: int, field_names: dict[str, str]) -> list[SamplingParams]:
+    """Choice j samples with seed + j: the choices differ, and each is reproducible."""
+    if params.seed is None:
+        return [params] * n
+    try:
+        return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
+    except ValueError as e:
+        raise _openai_error(e, field_names) from None
+
+def usage(choices: list[Choice], outputs: dict[int, RequestOutput]) -> dict:
+    prompt = sum(len(outputs[c.index].prompt_token_ids) for c in choices if c.counts_prompt)
+    completion = sum(len(outputs[c.index].token_ids) for c in choices if not c.drop_output)
+    return usage_object(prompt, completion)
+
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,79 @@
+"""Running Triton requests on the engine, shared by the HTTP and gRPC front ends: one request to the end, or
+all rows of a batch at once, all or none."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Collection
+
+from kiln.runtime.engine.engine import Prompt
+from kiln.serve.engine_service import EngineService
+from kiln.serve.errors import RequestError
+from kiln.serve.guided_request import TRITON_GUIDE_LABEL
+from kiln.serve.limits import RequestLimits
+from kiln.serve.tritonserver.request import TritonRequest
+
+
+async def complete(service: EngineService, request: TritonRequest,
+                   prompt: Prompt | None = None) -> tuple[str, list[float]]:
+    """Runs one request to the end -> (text_output: the prompt and the generated text unless exclude_input,
+    per-token logprobs). `prompt`: the request's prompt as token ids, when already tokenized."""
+    prompt = request.prompt if prompt is None else prompt
+    # Triton has no finish reason: a request cut off by shutdown must fail, not succeed with partial text.
+    stream = service.generate(prompt, request.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL)
+    async with contextlib.aclosing(stream) as stream:
+        async for delta in stream:
+            output = delta.output
+    text = output.text if request.exclude_input else request.prompt + output.text
+    return text, list(output.logprobs or [])
+
+
+async def cancel_and_wait(tasks: Collection[asyncio.Task]) -> None:
+    """Cancels each task once and waits for it to end. Not with gather: a second cancellation of the caller
+    would reach the tasks again and cut short their cleanup (aborting their engine requests)."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+
+
+async def complete_all(service: EngineService, requests: list[TritonRequest],
+                       limits: RequestLimits | None = None) -> list[tuple[str, list[float]]]:
+    """Runs all rows at once -> `complete`'s result per row. With `limits`, every row is tokenized first, and
+    a batch whose prompts hold more tokens than the server takes is refused before any row starts. The first
+    failure (or the caller's cancellation) cancels the others, aborting their engine requests; in a batch of
+    several, a RequestError's message names its row."""
+    def in_row(i: int, error: RequestError) -> RequestError:
+        if len(requests) > 1:
+            error.message = f"batch row {i}: {error.message}"
+        return error
+
+    prompts: list[Prompt] = [r.prompt for r in requests]
+    if limits is not None:
+        tokenize = limits.prompt_tokens(service.tokenize, "text_input")
+
+        def tokenize_rows() -> None:  # on the prompt worker, never on the event loop
+            for i, request in enumerate(requests):
+                try:
+                    prompts[i] = tokenize(request.prompt)
+                except RequestError as e:
+                    raise in_row(i, e) from None
+
+        await service.run_prompt_work(tokenize_rows, size=sum(len(r.prompt) for r in requests))
+
+    async def row(i: int, request: TritonRequest) -> tuple[str, list[float]]:
+        try:
+            return await complete(service, request, prompts[i])
+        except RequestError as e:
+            raise in_row(i, e) from None
+
+    tasks = [asyncio.ensure_future(row(i, r)) for i, r in enumerate(requests)]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        await cancel_and_wait(tasks)
+    errors = [task.exception() for task in tasks if not task.cancelled() and task.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [task.result() for task in tasks]

@@ -1,0 +1,196 @@
+"""A Triton Inference Server model repository that serves a kiln engine through Triton's Python backend.
+
+    REPO/NAME/config.pbtxt   python backend, decoupled, the tensors of triton_schema, one instance on the
+                             engine's device kind, and the BackendParameters below
+    REPO/NAME/1/model.py     a copy of kiln/serve/tritonserver/python_model.py; it imports kiln
+    REPO/NAME/1/kiln_env.json  where model.py finds kiln: `python_path`, directories it adds to the front of
+                             the backend interpreter's sys.path before importing numpy and kiln (the
+                             --python-path directories, then the site directories of the Python that wrote
+                             the repository, .pth files included), and `kiln_version`, the kiln that wrote it
+
+`tritonserver --model-repository REPO` then serves the engine under NAME.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import site
+import sysconfig
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.engine_format import load_engine_spec
+from kiln.engine_format.staging import staged_directory
+
+SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
+MODEL_SOURCE = Path(__file__).with_name("triton_python_model.py")
+ENV_FILE = "kiln_env.json"  # beside model.py
+# Triton takes the model's directory name as its name; keep it to characters every URL and file system takes.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_BOOLS = {"true": True, "false": False}
+
+
+@dataclass(frozen=True)
+class BackendParameters:
+    """What model.py reads from config.pbtxt's `parameters` (Triton hands every value over as a string).
+
+    Names and meanings follow TensorRT-LLM's Triton backend: `enable_kv_cache_reuse` is kiln's prefix cache;
+    `kv_cache_free_gpu_mem_fraction` is the share of the memory left free after the weights and one step's
+    activations that the KV cache takes (the runtime's kv_cache_memory_fraction);
+    `batch_scheduler_policy` says when a request may enter the running batch (see triton_engine_loop).
+    `max_prompt_chars` is kiln's (kiln serve's --max-prompt-chars): the characters one text_input may hold,
+    checked before it is tokenized (absent: serve/limits.py's default_max_prompt_chars for the engine).
+    """
+
+    engine_dir: str  # absolute path
+    batch_scheduler_policy: str = "max_utilization"
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_kv_cache_reuse: bool = True
+    max_prompt_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        if not Path(self.engine_dir).is_absolute():
+            raise ValueError(f"engine_dir={self.engine_dir!r} must be an absolute path")
+        if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"batch_scheduler_policy={self.batch_scheduler_policy!r} must be one of "
+                             f"{', '.join(SCHEDULER_POLICIES)}")
+        fraction = self.kv_cache_free_gpu_mem_fraction
+        if not (isinstance(fraction, float) and math.isfinite(fraction) and 0 < fraction <= 1):
+            raise ValueError(f"kv_cache_free_gpu_mem_fraction={fraction!r} must be a number in (0, 1]")
+        if not isinstance(self.enable_kv_cache_reuse, bool):
+            raise ValueError(f"enable_kv_cache_reuse={self.enable_kv_cache_reuse!r} must be true or false")
+        chars = self.max_prompt_chars
+        if chars is not None and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
+            raise ValueError(f"max_prompt_chars={chars!r} must be a positive integer")
+
+    def to_strings(self) -> dict[str, str]:
+        strings = {"engine_dir": self.engine_dir, "batch_scheduler_policy": self.batch_scheduler_policy,
+                   "kv_cache_free_gpu_mem_fraction": repr(self.kv_cache_free_gpu_mem_fraction),
+                   "enable_kv_cache_reuse": str(self.enable_kv_cache_reuse).lower()}
+        if self.max_prompt_chars is not None:
+            strings["max_prompt_chars"] = str(self.max_prompt_chars)
+        return strings
+
+    @classmethod
+    def from_strings(cls, values: Mapping[str, str]) -> BackendParameters:
+        """Parses config.pbtxt's parameters; others (e.g. the Python backend's EXECUTION_ENV_PATH) are ignored."""
+        if "engine_dir" not in values:
+            raise ValueError("config.pbtxt has no parameter engine_dir; write the model with `kiln triton-repo`")
+        kwargs: dict = {"engine_dir": values["engine_dir"]}
+        if "batch_scheduler_policy" in values:
+            kwargs["batch_scheduler_policy"] = values["batch_scheduler_policy"]
+        if "kv_cache_free_gpu_mem_fraction" in values:
+            text = values["kv_cache_free_gpu_mem_fraction"]
+            try:
+                kwargs["kv_cache_free_gpu_mem_fraction"] = float(text)
+            except ValueError:
+                raise ValueError(f"kv_cache_free_gpu_mem_fraction={text!r} must be a number in (0, 1]") from None
+        if "enable_kv_cache_reuse" in values:
+            text = values["enable_kv_cache_reuse"]
+            kwargs["enable_kv_cache_reuse"] = _BOOLS.get(text.strip().lower(), text)
+        if values.get("max_prompt_chars", "").strip():
+            text = values["max_prompt_chars"]
+            kwargs["max_prompt_chars"] = int(text) if text.strip().isdigit() else text
+        return cls(**kwargs)
+
+
+def check_model_name(name: str) -> str:
+    if not _MODEL_NAME.fullmatch(name):
+        raise ValueError(f"model name {name!r} is not usable: use letters, digits, '_', '-' and '.', "
+                         f"not starting with '.' or '-'")
+    return name
+
+
+@dataclass(frozen=True)
+class TritonModel:
+    """What `write_repository` wrote."""
+
+    model_dir: Path  # REPO/NAME
+    config_file: Path
+    model_file: Path
+    max_batch_size: int
+    instance_kind: str  # KIND_CPU | KIND_GPU
+    python_path: tuple[str, ...] = ()  # what kiln_env.json records
+
+
+def site_directories() -> list[str]:
+    """The site directories of this Python (a virtual environment's included): where kiln and its
+    dependencies are installed, an editable install's .pth finder included."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if user:
+        dirs.append(user)
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i] and Path(d).is_dir()]
+
+
+def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: str | None = None,
+                     max_batch_size: int | None = None, batch_scheduler_policy: str = "max_utilization",
+                     kv_cache_free_gpu_mem_fraction: float = 0.9, enable_kv_cache_reuse: bool = True,
+                     force: bool = False, python_path: Sequence[str | Path] = (),
+                     record_site: bool = True) -> TritonModel:
+    """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
+    replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
+    for a directory that is not a kiln engine and ValueError for anything else it refuses.
+
+    `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
+    this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path."""
+    import kiln
+
+    extra = []
+    for entry in python_path:
+        path = Path(entry).resolve()
+        if not path.is_dir():
+            raise ValueError(f"--python-path {entry} is not a directory")
+        extra.append(str(path))
+    paths = extra + (site_directories() if record_site else [])
+    paths = tuple(p for i, p in enumerate(paths) if p not in paths[:i])
+    spec = load_engine_spec(engine_dir, verify_checksums=False)  # only its settings are read here
+    engine_dir = spec.engine_dir.resolve()
+    name = check_model_name(model_name if model_name is not None else engine_dir.name)
+    built = int(spec.build_config["max_batch_size"])
+    if max_batch_size is None:
+        max_batch_size = built
+    if not 1 <= max_batch_size <= built:
+        raise ValueError(f"--max-batch-size {max_batch_size} must be between 1 and the engine's built limit "
+                         f"{built}")
+    params = BackendParameters(str(engine_dir), batch_scheduler_policy, float(kv_cache_free_gpu_mem_fraction),
+                               enable_kv_cache_reuse)
+    kind = "KIND_GPU" if spec.target.get("device_type") == "cuda" else "KIND_CPU"
+
+    repo = Path(repo).resolve()
+    if repo.exists() and not repo.is_dir():
+        raise ValueError(f"--output {repo} exists and is not a directory")
+    target = repo / name
+    if target.exists():
+        if not target.is_dir():
+            raise ValueError(f"{target} exists and is not a directory")
+        if any(target.iterdir()):
+            if not force:
+                raise ValueError(f"{target} already exists; pass --force to replace it")
+            if not (target / "config.pbtxt").is_file():
+                raise ValueError(f"{target} is not a Triton model (it has no config.pbtxt); not replacing it "
+                                 f"even with --force: remove it or pick another --model-name")
+
+    # Written beside the target and moved into place, so a failure leaves no half-written model behind.
+    with staged_directory(target) as staging:
+        (staging / "config.pbtxt").write_text(_config_text(name, max_batch_size, kind, params, engine_dir))
+        (staging / "1").mkdir()
+        shutil.copyfile(MODEL_SOURCE, staging / "1" / "model.py")
+        (staging / "1" / ENV_FILE).write_text(json.dumps(
+            {"python_path": list(paths), "kiln_version": kiln.__version__}, indent=2) + "\n")
+    return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind, paths)
+
+
+def _config_text(name: str, max_batch_size: int, kind: str, params: BackendParameters, engine_dir: Path) -> str:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from kiln.serve.tritonserver.schema import model_config
+
+    config = model_config(name, max_batch_size, backend="python", parameters=params.to_strings())
+    config.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.Kind.Value(kind), count=1))
+    return f"# written by `kiln triton-repo` for the engine {engine_dir}\n" + text_format.MessageToString(config)

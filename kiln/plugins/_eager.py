@@ -35,11 +35,13 @@ class KernelOp:
     """A torch.library custom op plus what plain eager tensors call instead of dispatching to it: the reference
     on the CPU, the kernel registered with `register_kernel` on its device type (CUDA)."""
 
-    def __init__(self, name: str, reference: Callable[..., Any], *, mutates_args: Iterable[str] = ()) -> None:
-        """Defines the op `name` ("kiln::...") with `reference` as its implementation on every device (its
-        schema from reference's annotations, as torch.library.custom_op infers it)."""
+    def __init__(self, name: str, reference: Callable[..., Any], *, mutates_args: Iterable[str] = (),
+                 schema: str | None = None) -> None:
+        """Defines the op `name` ("kiln::...") with `reference` as its implementation on every device, its
+        schema `schema` ("(Tensor x, float eps) -> Tensor"; kiln's ops get theirs from their `OpSpec`,
+        _spec.py) or, when None, inferred from reference's annotations as torch.library.custom_op does."""
         self.name = name
-        self.op = torch.library.custom_op(name, mutates_args=tuple(mutates_args))(reference)
+        self.op = torch.library.custom_op(name, mutates_args=tuple(mutates_args), schema=schema)(reference)
         self.reference = reference
         self._kernels: dict[str, Callable[..., Any]] = {}  # device type -> the kernel registered on the op
 

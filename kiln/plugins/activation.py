@@ -6,22 +6,23 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous
-from ._eager import KernelOp
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    # x: [T, 2*I] = [gate | up] -> [T, I]
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]).mul_(x[..., half:])  # in place: silu's output is a fresh tensor
 
 
-_silu_and_mul = KernelOp("kiln::silu_and_mul", silu_and_mul_reference)
-
-
-@_silu_and_mul.op.register_fake
-def _(x):
+def _silu_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+SILU_AND_MUL = OpSpec("kiln::silu_and_mul", """
+    Tensor x    [T, 2*I] = [gate | up], float32 / float16 / bfloat16, last dim contiguous
+    -> Tensor   [T, I] silu(gate) * up in x's dtype
+    """, reference=silu_and_mul_reference, fake=_silu_and_mul_fake, kernel="triton_activation.silu_and_mul_triton")
+_silu_and_mul = define(SILU_AND_MUL)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -32,9 +33,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[-1]}")
     return _silu_and_mul.for_tensor(x)(x)
-
-
-if USE_TRITON:
-    from .triton_activation import silu_and_mul_triton
-
-    _silu_and_mul.register_kernel("cuda", silu_and_mul_triton)

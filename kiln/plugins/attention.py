@@ -28,8 +28,8 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import KernelOp, runs_reference_directly
-from ._triton import USE_TRITON
+from ._eager import runs_reference_directly
+from ._spec import OpSpec, define
 from .kv_cache import KV_CACHE_DTYPES, check_kv_scales
 from .step_plan import KeyGroup, PagedAttentionPlan, StepPlan
 
@@ -46,9 +46,6 @@ def paged_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q: [T, Hq, D]; k_cache, v_cache: [N, block_size, Hk, D]; block_tables: [S, max_blocks] int32;
-    # seq_lens: [S] int32; query_start_loc: [S+1] int32; k_scale, v_scale: [1] float32 for a quantized cache
-    # -> out: [T, Hq, D], contiguous
     plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), plan, scale, sliding_window)
 
@@ -127,13 +124,26 @@ def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCach
     return out.to(q.dtype).contiguous()  # [B, Hq, D]
 
 
-_paged_attention = KernelOp("kiln::paged_attention", paged_attention_reference)
-
-
-@_paged_attention.op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, k_scale=None,
-      v_scale=None):
+def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                          k_scale=None, v_scale=None):
     return q.new_empty(q.shape)
+
+
+PAGED_ATTENTION = OpSpec("kiln::paged_attention", """
+    Tensor q                  [T, Hq, D] float32 / float16 / bfloat16, last dim contiguous
+    Tensor k_cache            [N, block_size, Hk, D] float, or float8_e4m3fn / int8 (quantized); contiguous
+    Tensor v_cache            [N, block_size, Hk, D] k_cache's dtype, contiguous
+    Tensor block_tables       [S, max_blocks] int32, each sequence's cache blocks
+    Tensor seq_lens           [S] int32, each sequence's keys (cached prefix + this step's tokens)
+    Tensor query_start_loc    [S + 1] int32, sequence s's queries are q[loc[s]:loc[s + 1]]
+    float scale               multiplies q . k
+    SymInt sliding_window     > 0: a query sees its last sliding_window keys; 0: all
+    Tensor? k_scale=None      [1] float32 for a quantized cache: keys are k_cache.float() * k_scale
+    Tensor? v_scale=None      [1] float32, likewise for values
+    -> Tensor                 [T, Hq, D] q's dtype, contiguous
+    """, reference=paged_attention_reference, fake=_paged_attention_fake,
+    kernel="triton_attention.paged_attention_triton")
+_paged_attention = define(PAGED_ATTENTION)
 
 
 def paged_attention(
@@ -203,9 +213,3 @@ def paged_attention(
     check_size("q", q, 0, attention.num_tokens, "query tokens in query_start_loc")
     return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), attention, float(scale),
                               int(sliding_window))
-
-
-if USE_TRITON:
-    from .triton_attention import paged_attention_triton
-
-    _paged_attention.register_kernel("cuda", paged_attention_triton)

@@ -23,8 +23,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import KernelOp
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 from .quant_limits import FP8_MAX, MIN_DYNAMIC_SCALE
 
 
@@ -58,8 +57,6 @@ def fp8_block_linear_reference(
     block_size: list[int],
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    # x: [T, K] float; weight: [N, K] float8_e4m3fn; weight_scale_inv: [ceil(N / b0), ceil(K / b1)] float32;
-    # bias: [N] x.dtype -> [T, N] x.dtype
     b0, b1 = block_size
     n, k = weight.shape
     x_q, s_x = quantize_activation_groups(x, b1)  # [T, G, b1], [T, G]
@@ -76,12 +73,20 @@ def fp8_block_linear_reference(
     return y.to(x.dtype)
 
 
-_fp8_block_linear = KernelOp("kiln::fp8_block_linear", fp8_block_linear_reference)
-
-
-@_fp8_block_linear.op.register_fake
-def _(x, weight, weight_scale_inv, block_size, bias):
+def _fp8_block_linear_fake(x, weight, weight_scale_inv, block_size, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+FP8_BLOCK_LINEAR = OpSpec("kiln::fp8_block_linear", """
+    Tensor x                  [T, K] float32 / float16 / bfloat16, last dim contiguous
+    Tensor weight             [N, K] float8_e4m3fn, contiguous
+    Tensor weight_scale_inv   [ceil(N / b0), ceil(K / b1)] float32, multiplies each weight block
+    SymInt[] block_size       [b0, b1]: the rows and columns of a weight block
+    Tensor? bias              [N] x's dtype
+    -> Tensor                 [T, N] x's dtype
+    """, reference=fp8_block_linear_reference, fake=_fp8_block_linear_fake,
+    kernel="triton_fp8_block_linear.fp8_block_linear_triton")
+_fp8_block_linear = define(FP8_BLOCK_LINEAR)
 
 
 def _check_block_size(block_size: Sequence[int]) -> list[int]:
@@ -132,9 +137,3 @@ def fp8_block_linear(
         tensors["bias"] = bias
     check_same_device(**tensors)
     return _fp8_block_linear.for_tensor(x)(x, weight, weight_scale_inv, sizes, bias)
-
-
-if USE_TRITON:
-    from .triton_fp8_block_linear import fp8_block_linear_triton
-
-    _fp8_block_linear.register_kernel("cuda", fp8_block_linear_triton)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_same_device, check_size
-from ._eager import KernelOp, runs_reference_directly
-from ._triton import USE_TRITON
+from ._eager import runs_reference_directly
+from ._spec import OpSpec, define
 from .step_plan import StepPlan, slots_skip
 
 # Cache dtypes that hold scaled values, with the largest magnitude each stores (saturation bound).
@@ -37,7 +37,6 @@ def write_kv_cache_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    # k, v: [T, Hk, D]; slot_mapping: [T] int64; k_scale, v_scale: [1] float32 for a quantized cache
     write_kv_slots(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, slots_skip(slot_mapping))
 
 
@@ -72,13 +71,26 @@ def plan_skips(plan: StepPlan | None, slot_mapping: torch.Tensor) -> bool:
     return plan.skips_slots
 
 
-_write_kv_cache = KernelOp("kiln::write_kv_cache", write_kv_cache_reference,
-                          mutates_args=("k_cache", "v_cache"))
-
-
-@_write_kv_cache.op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def _write_kv_cache_fake(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
+
+
+# The cache arguments of a KV write, shared with the fused rotary + KV write (rotary_kv.py).
+KV_WRITE_ARGS = """
+    Tensor(a!) k_cache     [N, block_size, Hk, D] float, or float8_e4m3fn / int8 (quantized); contiguous
+    Tensor(b!) v_cache     [N, block_size, Hk, D] k_cache's dtype, contiguous
+    Tensor slot_mapping    [T] int64, block * block_size + offset of each token; -1 writes nothing
+    Tensor? k_scale=None   [1] float32 on the cache's device for a quantized cache (stores k / k_scale)
+    Tensor? v_scale=None   [1] float32, likewise for v
+"""
+
+WRITE_KV_CACHE = OpSpec("kiln::write_kv_cache", """
+    Tensor k               [T, Hk, D] float
+    Tensor v               [T, Hk, D] k's dtype
+    """ + KV_WRITE_ARGS + """
+    -> ()
+    """, reference=write_kv_cache_reference, fake=_write_kv_cache_fake, kernel="triton_rotary_kv.write_kv_cache_triton")
+_write_kv_cache = define(WRITE_KV_CACHE)
 
 
 def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -138,9 +150,3 @@ def write_kv_cache(
         _write_kv_cache.for_tensor(k)(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     write_kv_slots(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, plan_skips(plan, slot_mapping))
-
-
-if USE_TRITON:
-    from .triton_rotary_kv import write_kv_cache_triton
-
-    _write_kv_cache.register_kernel("cuda", write_kv_cache_triton)

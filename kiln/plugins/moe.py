@@ -27,15 +27,13 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import KernelOp
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 from .activation import silu_and_mul_reference
 from .moe_route import route
 
 
 def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                         w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-    # x: [T, H]; router_logits: [T, E]; w_gate_up: [E, 2I, H]; w_down: [E, H, I] -> [T, H] in x's dtype
     num_tokens, hidden = x.shape
     weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -72,12 +70,20 @@ def _fused_moe_every_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.T
     return out
 
 
-_fused_moe = KernelOp("kiln::fused_moe", fused_moe_reference)
-
-
-@_fused_moe.op.register_fake
-def _(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+def _fused_moe_fake(x, router_logits, w_gate_up, w_down, top_k, renormalize):
     return torch.empty_like(x)
+
+
+FUSED_MOE = OpSpec("kiln::fused_moe", """
+    Tensor x               [T, H] float32 / float16 / bfloat16, last dim contiguous
+    Tensor router_logits   [T, E] any float dtype
+    Tensor w_gate_up       [E, 2I, H] x's dtype, each expert's [gate; up] rows
+    Tensor w_down          [E, H, I] x's dtype
+    SymInt top_k           experts per token, in [1, E]
+    bool renormalize       the top-k weights are divided by their sum
+    -> Tensor              [T, H] x's dtype
+    """, reference=fused_moe_reference, fake=_fused_moe_fake, kernel="triton_moe.fused_moe_triton")
+_fused_moe = define(FUSED_MOE)
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
@@ -107,9 +113,3 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
         raise ValueError(f"top_k={top_k!r} must be an integer in [1, {experts}] (the number of experts)")
     check_same_device(x=x, router_logits=router_logits, w_gate_up=w_gate_up, w_down=w_down)
     return _fused_moe.for_tensor(x)(x, router_logits, w_gate_up, w_down, top_k, bool(renormalize))
-
-
-if USE_TRITON:
-    from .triton_moe import fused_moe_triton
-
-    _fused_moe.register_kernel("cuda", fused_moe_triton)

@@ -9,12 +9,10 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_same_device, check_size
-from ._eager import KernelOp
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., H]; weight: [H]
     # weight * (xf * rsqrt(mean(xf^2) + eps)).to(x.dtype) as Hugging Face writes it, the temporaries updated in
     # place (the same values: x.float() and .to() are no-ops in float32, the products commute).
     xf = x.float()
@@ -22,12 +20,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (xf * inv_rms).to(x.dtype).mul_(weight)
 
 
-_rms_norm = KernelOp("kiln::rms_norm", rms_norm_reference)
-
-
-@_rms_norm.op.register_fake
-def _(x, weight, eps):
+def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
+
+
+RMS_NORM = OpSpec("kiln::rms_norm", """
+    Tensor x        [..., H] float32 / float16 / bfloat16, last dim contiguous
+    Tensor weight   [H] x's dtype
+    float eps       added to the mean square before the square root
+    -> Tensor       [..., H] x's dtype
+    """, reference=rms_norm_reference, fake=_rms_norm_fake, kernel="triton_norm.rms_norm_triton")
+_rms_norm = define(RMS_NORM)
 
 
 def fused_add_rms_norm_reference(
@@ -37,12 +40,20 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
-_fused_add_rms_norm = KernelOp("kiln::fused_add_rms_norm", fused_add_rms_norm_reference)
-
-
-@_fused_add_rms_norm.op.register_fake
-def _(x, residual, weight, eps):
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+FUSED_ADD_RMS_NORM = OpSpec("kiln::fused_add_rms_norm", """
+    Tensor x          [T, H] float32 / float16 / bfloat16, last dim contiguous
+    Tensor residual   [T, H] x's dtype
+    Tensor weight     [H] x's dtype
+    float eps         as rms_norm's
+    -> Tensor         [T, H] rms_norm(x + residual)
+    -> Tensor         [T, H] x + residual in x's dtype
+    """, reference=fused_add_rms_norm_reference, fake=_fused_add_rms_norm_fake,
+    kernel="triton_norm.fused_add_rms_norm_triton")
+_fused_add_rms_norm = define(FUSED_ADD_RMS_NORM)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -73,10 +84,3 @@ def fused_add_rms_norm(
             f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, x is {tuple(x.shape)} {x.dtype}"
         )
     return _fused_add_rms_norm.for_tensor(x)(x, residual, weight, float(eps))
-
-
-if USE_TRITON:
-    from .triton_norm import fused_add_rms_norm_triton, rms_norm_triton
-
-    _rms_norm.register_kernel("cuda", rms_norm_triton)
-    _fused_add_rms_norm.register_kernel("cuda", fused_add_rms_norm_triton)

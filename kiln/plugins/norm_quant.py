@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dims, check_dtype, check_last_dim_contiguous, check_same_device
-from ._eager import KernelOp
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 from .activation import silu_and_mul_reference
 from .norm import _check as _check_norm_args
 from .norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -36,14 +35,12 @@ def _quantize_rows(y: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[t
 def rms_norm_quant_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, input_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: [T, H]; weight: [H]; input_scale: [1] float32 or None -> x_q [T, H] float8_e4m3fn, x_scale [T, 1]
     return _quantize_rows(rms_norm_reference(x, weight, eps), input_scale)
 
 
 def fused_add_rms_norm_quant_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, input_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # -> x_q [T, H] float8_e4m3fn, x_scale [T, 1] float32, x + residual [T, H] x.dtype
     normed, new_residual = fused_add_rms_norm_reference(x, residual, weight, eps)
     x_q, x_scale = _quantize_rows(normed, input_scale)
     return x_q, x_scale, new_residual
@@ -52,13 +49,7 @@ def fused_add_rms_norm_quant_reference(
 def silu_and_mul_quant_reference(
     x: torch.Tensor, input_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: [T, 2I] = [gate | up] -> x_q [T, I] float8_e4m3fn, x_scale [T, 1] float32
     return _quantize_rows(silu_and_mul_reference(x), input_scale)
-
-
-_rms_norm_quant = KernelOp("kiln::rms_norm_quant", rms_norm_quant_reference)
-_fused_add_rms_norm_quant = KernelOp("kiln::fused_add_rms_norm_quant", fused_add_rms_norm_quant_reference)
-_silu_and_mul_quant = KernelOp("kiln::silu_and_mul_quant", silu_and_mul_quant_reference)
 
 
 def _fake_quantized(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,19 +57,47 @@ def _fake_quantized(x: torch.Tensor, features: int) -> tuple[torch.Tensor, torch
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
-@_rms_norm_quant.op.register_fake
-def _(x, weight, eps, input_scale):
+def _rms_norm_quant_fake(x, weight, eps, input_scale):
     return _fake_quantized(x, x.shape[1])
 
 
-@_fused_add_rms_norm_quant.op.register_fake
-def _(x, residual, weight, eps, input_scale):
+def _fused_add_rms_norm_quant_fake(x, residual, weight, eps, input_scale):
     return (*_fake_quantized(x, x.shape[1]), torch.empty_like(x))
 
 
-@_silu_and_mul_quant.op.register_fake
-def _(x, input_scale):
+def _silu_and_mul_quant_fake(x, input_scale):
     return _fake_quantized(x, x.shape[1] // 2)
+
+
+# The rows the three ops share: the quantization's input scale and its two results.
+_QUANTIZED = """
+    Tensor? input_scale   [1] float32, the next linear's static activation scale; None: dynamic, per token
+    -> Tensor             x_q: [T, F] float8_e4m3fn, F the float operator's output features
+    -> Tensor             x_scale: [T, 1] float32, each row's scale
+"""
+
+RMS_NORM_QUANT = OpSpec("kiln::rms_norm_quant", """
+    Tensor x              [T, H] float32 / float16 / bfloat16, last dim contiguous
+    Tensor weight         [H] x's dtype
+    float eps             as rms_norm's
+    """ + _QUANTIZED, reference=rms_norm_quant_reference, fake=_rms_norm_quant_fake,
+    kernel="triton_norm_quant.rms_norm_quant_triton")
+FUSED_ADD_RMS_NORM_QUANT = OpSpec("kiln::fused_add_rms_norm_quant", """
+    Tensor x              [T, H] float32 / float16 / bfloat16, last dim contiguous
+    Tensor residual       [T, H] x's dtype, last dim contiguous
+    Tensor weight         [H] x's dtype
+    float eps             as rms_norm's
+    """ + _QUANTIZED + """
+    -> Tensor             [T, H] x + residual in x's dtype
+    """, reference=fused_add_rms_norm_quant_reference, fake=_fused_add_rms_norm_quant_fake,
+    kernel="triton_norm_quant.fused_add_rms_norm_quant_triton")
+SILU_AND_MUL_QUANT = OpSpec("kiln::silu_and_mul_quant", """
+    Tensor x              [T, 2I] = [gate | up] float32 / float16 / bfloat16, last dim contiguous
+    """ + _QUANTIZED, reference=silu_and_mul_quant_reference, fake=_silu_and_mul_quant_fake,
+    kernel="triton_norm_quant.silu_and_mul_quant_triton")
+_rms_norm_quant = define(RMS_NORM_QUANT)
+_fused_add_rms_norm_quant = define(FUSED_ADD_RMS_NORM_QUANT)
+_silu_and_mul_quant = define(SILU_AND_MUL_QUANT)
 
 
 def _check_x(x: torch.Tensor, input_scale: torch.Tensor | None) -> None:
@@ -139,15 +158,3 @@ def silu_and_mul_quant(
         raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[1]}")
     _check_x(x, input_scale)
     return _silu_and_mul_quant.for_tensor(x)(x, input_scale)
-
-
-if USE_TRITON:
-    from .triton_norm_quant import (
-        fused_add_rms_norm_quant_triton,
-        rms_norm_quant_triton,
-        silu_and_mul_quant_triton,
-    )
-
-    _rms_norm_quant.register_kernel("cuda", rms_norm_quant_triton)
-    _fused_add_rms_norm_quant.register_kernel("cuda", fused_add_rms_norm_quant_triton)
-    _silu_and_mul_quant.register_kernel("cuda", silu_and_mul_quant_triton)

@@ -26,8 +26,8 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import KernelOp, runs_reference_directly
-from ._triton import USE_TRITON
+from ._eager import runs_reference_directly
+from ._spec import OpSpec, define
 from .int4_pack import unpack_int4
 from .quant_limits import FP8_MAX, INT8_MAX, MIN_DYNAMIC_SCALE
 
@@ -101,9 +101,6 @@ def scaled_linear_reference(
     bias: torch.Tensor | None,
     pre_quant_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    # x: [T, K] float; weight: [N, K] float8_e4m3fn or int8; weight_scale: [N] float32;
-    # input_scale: [1] float32 or None (dynamic, per token); bias: [N] x.dtype; pre_quant_scale: [K] float32
-    # -> [T, N] x.dtype
     xs = x.float()
     if pre_quant_scale is not None:
         xs = xs * pre_quant_scale
@@ -111,12 +108,20 @@ def scaled_linear_reference(
     return _scaled_gemm(x_q, s_x, weight, weight_scale, bias, x.dtype)
 
 
-_scaled_linear = KernelOp("kiln::scaled_linear", scaled_linear_reference)
-
-
-@_scaled_linear.op.register_fake
-def _(x, weight, weight_scale, input_scale, bias, pre_quant_scale):
+def _linear_fake(x, weight, weight_scale, input_scale, bias, pre_quant_scale):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+SCALED_LINEAR = OpSpec("kiln::scaled_linear", """
+    Tensor x                  [T, K] float32 / float16 / bfloat16, last dim contiguous
+    Tensor weight             [N, K] float8_e4m3fn or int8, contiguous
+    Tensor weight_scale       [N] float32: weight[n, k] means weight[n, k] * weight_scale[n]
+    Tensor? input_scale       [1] float32 static activation scale, or None: dynamic, per token
+    Tensor? bias              [N] x's dtype, added last
+    Tensor? pre_quant_scale   [K] float32, multiplies x before quantization (smoothing)
+    -> Tensor                 [T, N] x's dtype
+    """, reference=scaled_linear_reference, fake=_linear_fake, kernel="triton_scaled_linear.scaled_linear_triton")
+_scaled_linear = define(SCALED_LINEAR)
 
 
 def _check_vector(name: str, t: torch.Tensor, size: int, dtypes: tuple[torch.dtype, ...], what: str) -> None:
@@ -193,17 +198,24 @@ def scaled_linear_quantized_reference(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    # x_q: [T, K] float8_e4m3fn; x_scale: [T, 1] or [1] float32; weight: [N, K] float8_e4m3fn;
-    # weight_scale: [N] float32; bias: [N] out_dtype -> [T, N] out_dtype
     return _scaled_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype)
 
 
-_scaled_linear_quantized = KernelOp("kiln::scaled_linear_quantized", scaled_linear_quantized_reference)
-
-
-@_scaled_linear_quantized.op.register_fake
-def _(x_q, x_scale, weight, weight_scale, bias, out_dtype):
+def _scaled_linear_quantized_fake(x_q, x_scale, weight, weight_scale, bias, out_dtype):
     return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+SCALED_LINEAR_QUANTIZED = OpSpec("kiln::scaled_linear_quantized", """
+    Tensor x_q             [T, K] float8_e4m3fn, last dim contiguous
+    Tensor x_scale         [T, 1] float32, each row's scale, or [1] for all rows
+    Tensor weight          [N, K] float8_e4m3fn, contiguous
+    Tensor weight_scale    [N] float32
+    Tensor? bias           [N] out_dtype
+    ScalarType out_dtype   float32, float16 or bfloat16
+    -> Tensor              [T, N] out_dtype
+    """, reference=scaled_linear_quantized_reference, fake=_scaled_linear_quantized_fake,
+    kernel="triton_scaled_linear.scaled_linear_quantized_triton")
+_scaled_linear_quantized = define(SCALED_LINEAR_QUANTIZED)
 
 
 def scaled_linear_quantized(
@@ -322,9 +334,6 @@ def weight_only_linear_reference(
     pre_quant_scale: torch.Tensor | None,
     g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # The op's arguments are all positional: torch.library takes no keyword-only Tensor arguments.
-    # x: [T, K] float; qweight: [N, K] int8 / uint8 or [N, K // 2] uint8; scales, zeros: [N, K // group_size];
-    # bias: [N] x.dtype; pre_quant_scale: [K] float32; g_idx: [K] int32 -> [T, N] x.dtype
     # A W4A16 kernel smooths x in its own dtype and multiplies it with the weight dequantized to that dtype.
     xs = x if pre_quant_scale is None else (x.float() * pre_quant_scale).to(x.dtype)
     w = _dequantize(qweight, scales, zeros, bits, group_size, x.dtype, g_idx)  # [N, K]
@@ -334,12 +343,29 @@ def weight_only_linear_reference(
     return y.to(x.dtype)
 
 
-_weight_only_linear = KernelOp("kiln::weight_only_linear", weight_only_linear_reference)
-
-
-@_weight_only_linear.op.register_fake
-def _(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx=None):
+def _weight_only_linear_fake(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, g_idx=None):
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+# The weight of a weight-only linear (dequantize_weight says what the values mean); shared with
+# weight_only_linear_parts. All positional: torch.library takes no keyword-only Tensor arguments.
+WEIGHT_ONLY_ARGS = """
+    Tensor x                  [T, K] float32 / float16 / bfloat16, last dim contiguous
+    Tensor qweight            [N, K] int8 (8 bits) / uint8 (8 bits, zeros), or [N, K // 2] uint8 (4 bits)
+    Tensor scales             [N, K // group_size] float32
+    Tensor? zeros             [N, K // group_size] uint8, the groups' zero points (asymmetric)
+    SymInt bits               4 or 8
+    SymInt group_size         input columns a scale covers; divides K
+    Tensor? bias              [N] x's dtype, added last
+"""
+
+WEIGHT_ONLY_LINEAR = OpSpec("kiln::weight_only_linear", WEIGHT_ONLY_ARGS + """
+    Tensor? pre_quant_scale   [K] float32, multiplies x first (in x's dtype)
+    Tensor? g_idx=None        [K] int32, each input column's group (GPTQ act-order)
+    -> Tensor                 [T, N] x's dtype
+    """, reference=weight_only_linear_reference, fake=_weight_only_linear_fake,
+    kernel="triton_weight_only.weight_only_linear_triton")
+_weight_only_linear = define(WEIGHT_ONLY_LINEAR)
 
 
 def weight_only_linear(
@@ -367,12 +393,3 @@ def weight_only_linear(
     check_same_device(x=x, qweight=qweight, **_optional(bias=bias, pre_quant_scale=pre_quant_scale))
     return _weight_only_linear.for_tensor(x)(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale,
                                              g_idx)
-
-
-if USE_TRITON:
-    from .triton_scaled_linear import scaled_linear_quantized_triton, scaled_linear_triton
-    from .triton_weight_only import weight_only_linear_triton
-
-    _scaled_linear.register_kernel("cuda", scaled_linear_triton)
-    _scaled_linear_quantized.register_kernel("cuda", scaled_linear_quantized_triton)
-    _weight_only_linear.register_kernel("cuda", weight_only_linear_triton)

@@ -16,8 +16,7 @@ from ._checks import (
     check_same_device,
     check_size,
 )
-from ._eager import KernelOp
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,7 +32,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def rotary_embedding_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [T, Hq, D]; k: [T, Hk, D]; cos, sin: [T, D/2] float32
     # Hugging Face casts the float32 table to the activation dtype before rotating; so do we.
     cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]  # [T, 1, 1, D/2]
     if q.dtype != cos.dtype:
@@ -41,12 +39,25 @@ def rotary_embedding_reference(
     return _rotate(q, cos_q, sin_q), _rotate(k, cos_q, sin_q)
 
 
-_rotary = KernelOp("kiln::rotary_embedding", rotary_embedding_reference)
-
-
-@_rotary.op.register_fake
-def _(q, k, cos, sin):
+def _rotary_fake(q, k, cos, sin):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+# The rotary arguments, shared with the fused rotary + KV write (rotary_kv.py), which takes v between them.
+ROTARY_QK = """
+    Tensor q     [T, Hq, D] float32 / float16 / bfloat16, D even, last dim contiguous
+    Tensor k     [T, Hk, D] q's dtype, last dim contiguous
+"""
+ROTARY_ANGLES = """
+    Tensor cos   [T, D/2] float32, each token's angles
+    Tensor sin   [T, D/2] float32
+"""
+
+ROTARY_EMBEDDING = OpSpec("kiln::rotary_embedding", ROTARY_QK + ROTARY_ANGLES + """
+    -> Tensor    [T, Hq, D] rotated q
+    -> Tensor    [T, Hk, D] rotated k
+    """, reference=rotary_embedding_reference, fake=_rotary_fake, kernel="triton_rotary_kv.rotary_embedding_triton")
+_rotary = define(ROTARY_EMBEDDING)
 
 
 def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -76,9 +87,3 @@ def rotary_embedding(
     """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
     check_rotary_args(q, k, cos, sin)
     return _rotary.for_tensor(q)(q, k, cos, sin)
-
-
-if USE_TRITON:
-    from .triton_rotary_kv import rotary_embedding_triton
-
-    _rotary.register_kernel("cuda", rotary_embedding_triton)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ._eager import KernelOp, runs_reference_directly
-from ._triton import USE_TRITON
-from .kv_cache import check_kv_write_args, plan_skips, write_kv_slots
-from .rotary import check_rotary_args, rotary_embedding_reference
+from ._eager import runs_reference_directly
+from ._spec import OpSpec, define
+from .kv_cache import KV_WRITE_ARGS, check_kv_write_args, plan_skips, write_kv_slots
+from .rotary import ROTARY_ANGLES, ROTARY_QK, check_rotary_args, rotary_embedding_reference
 from .step_plan import StepPlan, slots_skip
 
 
@@ -22,8 +22,6 @@ def rotary_embedding_and_write_kv_reference(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q: [T, Hq, D]; k, v: [T, Hk, D]; cos, sin: [T, D/2] float32; caches: [N, block_size, Hk, D];
-    # k_scale, v_scale: [1] float32 for a quantized cache
     return _rotate_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                              slots_skip(slot_mapping))
 
@@ -39,13 +37,17 @@ def _rotate_and_write(
     return q_rot
 
 
-_rotary_kv = KernelOp("kiln::rotary_embedding_and_write_kv", rotary_embedding_and_write_kv_reference,
-                      mutates_args=("k_cache", "v_cache"))
-
-
-@_rotary_kv.op.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def _rotary_kv_fake(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return torch.empty_like(q)
+
+
+ROTARY_EMBEDDING_AND_WRITE_KV = OpSpec("kiln::rotary_embedding_and_write_kv", ROTARY_QK + """
+    Tensor v     [T, Hk, D] k's dtype
+    """ + ROTARY_ANGLES + KV_WRITE_ARGS + """
+    -> Tensor    [T, Hq, D] rotated q
+    """, reference=rotary_embedding_and_write_kv_reference, fake=_rotary_kv_fake,
+    kernel="triton_rotary_kv.rotary_embedding_and_write_kv_triton")
+_rotary_kv = define(ROTARY_EMBEDDING_AND_WRITE_KV)
 
 
 def rotary_embedding_and_write_kv(
@@ -65,9 +67,3 @@ def rotary_embedding_and_write_kv(
         return _rotary_kv.for_tensor(q)(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return _rotate_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                              plan_skips(plan, slot_mapping))
-
-
-if USE_TRITON:
-    from .triton_rotary_kv import rotary_embedding_and_write_kv_triton
-
-    _rotary_kv.register_kernel("cuda", rotary_embedding_and_write_kv_triton)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_dims, check_dtype, check_same_device, check_size
-from ._eager import KernelOp
 from ._parts import each_part
-from ._triton import USE_TRITON
+from ._spec import OpSpec, define
 from .quant_linear import (
+    WEIGHT_ONLY_ARGS,
     _check_bias_and_smoothing,
     _check_quantized_weight,
     _check_x,
@@ -36,18 +36,22 @@ def weight_only_linear_parts_reference(
     pre_quant_scale: torch.Tensor,
     part_sizes: list[int],
 ) -> torch.Tensor:
-    # x: [T, K]; qweight, scales, zeros, bias: the whole layer's rows [N, ...] = the parts' rows in order;
-    # pre_quant_scale: [P, K] float32; part_sizes: P row counts adding up to N -> [T, N] x.dtype
     return each_part(weight_only_linear_reference, x, qweight, scales, zeros, bits, group_size, bias,
                      pre_quant_scale, part_sizes)
 
 
-_weight_only_linear_parts = KernelOp("kiln::weight_only_linear_parts", weight_only_linear_parts_reference)
-
-
-@_weight_only_linear_parts.op.register_fake
-def _(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, part_sizes):
+def _weight_only_linear_parts_fake(x, qweight, scales, zeros, bits, group_size, bias, pre_quant_scale, part_sizes):
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+# qweight, scales, zeros, bias: the whole layer's N rows, the parts' rows in order.
+WEIGHT_ONLY_LINEAR_PARTS = OpSpec("kiln::weight_only_linear_parts", WEIGHT_ONLY_ARGS + """
+    Tensor pre_quant_scale    [P, K] float32, part i's smoothing of x
+    SymInt[] part_sizes       the P parts' row counts, adding up to N
+    -> Tensor                 [T, N] x's dtype
+    """, reference=weight_only_linear_parts_reference, fake=_weight_only_linear_parts_fake,
+    kernel="triton_weight_only_parts.weight_only_linear_parts_triton")
+_weight_only_linear_parts = define(WEIGHT_ONLY_LINEAR_PARTS)
 
 
 def weight_only_linear_parts(
@@ -82,9 +86,3 @@ def weight_only_linear_parts(
     check_same_device(x=x, qweight=qweight, pre_quant_scale=pre_quant_scale, **_optional(bias=bias))
     return _weight_only_linear_parts.for_tensor(x)(x, qweight, scales, zeros, bits, group_size, bias,
                                                    pre_quant_scale, sizes)
-
-
-if USE_TRITON:
-    from .triton_weight_only_parts import weight_only_linear_parts_triton
-
-    _weight_only_linear_parts.register_kernel("cuda", weight_only_linear_parts_triton)

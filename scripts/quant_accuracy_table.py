@@ -1,8 +1,8 @@
 """docs/quantization.md's accuracy table: kiln-tiny-code built in each format (default calibration: kiln's
-sample, --calib-size 512, --calib-max-seq-len 512), its `kiln eval perplexity` on the held-out sample next
+sample, up to 512 samples, --calib-max-seq-len 512), its `kiln eval perplexity` on the held-out sample next
 to the full-precision engine's, the engine size and the calibration time.
 
-    python scripts/quant_accuracy_table.py [--calib-size 512] [--out /tmp/kiln-quant-table]
+    python scripts/quant_accuracy_table.py [--calib-size N] [--out /tmp/kiln-quant-table]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CASES = [("full_prec", "auto"), ("fp8", "auto"), ("int8_sq", "auto"), ("int4_awq
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calib-size", type=int, default=512)
+    parser.add_argument("--calib-size", type=int, default=None)  # None: kiln build's default (up to 512)
     parser.add_argument("--out", default="/tmp/kiln-quant-table")
     args = parser.parse_args()
     rows, base = [], None

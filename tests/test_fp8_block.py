@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
+from kiln.checkpoints.prequant.detect import detect_checkpoint_quantization
 from kiln.engine_format import load_engine_spec
 from kiln.plugins import fp8_block_linear
 from kiln.quant.base import LinearPart, QuantError
 from kiln.quant.fp8_block import Fp8BlockConfig, Fp8BlockLinear
-from kiln.quant.prequant.detect import detect_checkpoint_quantization
 from kiln.runtime import LLM, SamplingParams
 
 FP8 = torch.float8_e4m3fn

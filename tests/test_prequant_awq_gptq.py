@@ -4,7 +4,7 @@ running the weights this file dequantizes from the format's definition (not with
 weights exactly, greedy tokens and prompt logprobs; the bundled kiln-tiny-code's perplexity as an AWQ checkpoint;
 refusals of what kiln does not read.
 
-The layouts written here (see quant/prequant/awq.py and gptq.py for the sources):
+The layouts written here (see checkpoints/prequant/awq.py and gptq.py for the sources):
 - AWQ GEMM: qweight int32 [in, out / 8], word [k, c] nibble i = output column 8c + AWQ_ORDER[i]; qzeros int32
   [in / G, out / 8] likewise; scales fp16 [in / G, out]; w = (q - z) * s.
 - GPTQ: qweight int32 [in / p, out], bits b*j of word [r, o] = input row r*p + j; qzeros int32 [in / G, out / p]
@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 from kiln.bench.perplexity import perplexity
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
+from kiln.checkpoints.prequant.gptq import GptqCheckpoint
 from kiln.engine_format import load_engine_spec
 from kiln.plugins.quant_linear import dequantize_weight
 from kiln.quant.base import QuantError
-from kiln.quant.prequant.gptq import GptqCheckpoint
 from kiln.runtime import LLM, SamplingParams
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

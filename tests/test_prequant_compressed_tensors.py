@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
+from kiln.checkpoints.prequant.compressed_tensors import unpack_int32
 from kiln.engine_format import load_engine_spec
-from kiln.quant.prequant.compressed_tensors import unpack_int32
 from kiln.runtime import LLM, SamplingParams
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "compressed_tensors"

@@ -187,7 +187,7 @@ def test_bad_calibration_files_are_named(tmp_path, content, message):
 class _Tokenizer:
     """Characters as tokens, BOS = 0 in front of a text."""
 
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, verbose=True):
         class Out:
             input_ids = ([0] if add_special_tokens else []) + [ord(c) for c in text]
         return Out()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import kiln
+from kiln.checkpoints.prequant.detect import detect_checkpoint_quantization
 from kiln.checkpoints.reader import CheckpointError, CheckpointReader
 from kiln.engine_format import (
     ENGINE_DTYPES,
@@ -43,7 +44,6 @@ from kiln.model_defs import ModelConfig, ModelDef, build_network, model_def_for_
 from kiln.model_defs.config import token_id_list
 from kiln.model_defs.recipes import Recipe, consumed_parts
 from kiln.quant.base import QuantConfig, QuantError
-from kiln.quant.prequant.detect import detect_checkpoint_quantization
 
 from .build_config import BuildConfig
 from .dummy_weights import dummy_tensor

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from kiln.engine_format import ENGINE_DTYPES
 from kiln.engine_format.limits import check_build_limits
-from kiln.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_QUANT_DTYPES, QFORMATS
+from kiln.quant.base import QuantError
+from kiln.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_QUANT_DTYPES, QFORMATS, parse_qformat
+from kiln.quant.registry import QuantScheme
 
 DTYPE_CHOICES = ("auto", *ENGINE_DTYPES)
 DEVICE_CHOICES = ("cpu", "cuda")
@@ -38,12 +40,16 @@ class BuildConfig:
     # builder/kernel_store.py), so that a fresh machine compiles nothing. `kiln build --device cuda` sets it unless
     # --no-kernels; off by default here, since it starts the engine once more (tests build many engines)
     kernels: bool = False
-    # Quantization (TensorRT-LLM's names): the weights' format and the KV cache's dtype.
-    qformat: str = "full_prec"
+    # Quantization (TensorRT-LLM's names): the weights' format and the KV cache's dtype. `qformat` is the
+    # scheme's registry entry (the CLI passes the one its --qformat parsed); a name given here is parsed once,
+    # in __post_init__, so the builder reads the entry (.name, .grouped, .config) and never the name again.
+    qformat: QuantScheme | str = "full_prec"
     kv_cache_dtype: str = "auto"  # auto = the engine dtype
     awq_block_size: int = DEFAULT_GROUP_SIZE  # group size of the INT4 formats
     calib_dataset: str | None = None  # plain text or JSON lines with "text"; None = kiln's default sample
-    calib_size: int = 512  # calibration samples
+    # calibration samples; None (--calib-size not given): up to 512 (quant.calib_data.DEFAULT_CALIB_SIZE), as many
+    # as the data gives when fewer, with no warning (a size asked for and not filled is warned about)
+    calib_size: int | None = None
     calib_max_seq_len: int = 512  # tokens per calibration sample
     # A checkpoint tensor holding NaN or Inf is refused (the engine would sample from NaN logits); True builds
     # it anyway with a warning naming the tensor (--allow-non-finite)
@@ -60,6 +66,8 @@ class BuildConfig:
                            max_seq_len=self.max_seq_len, kv_block_size=self.kv_block_size)
         for name in ("awq_block_size", "calib_size", "calib_max_seq_len", "tp_size"):
             value = getattr(self, name)
+            if name == "calib_size" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.weights_at_load and not self.dummy_weights:
@@ -67,8 +75,7 @@ class BuildConfig:
                              "checkpoint's weights must be written into the engine")
         if self.kernels and self.device != "cuda":
             raise ValueError(f"kernels=True stores compiled GPU kernels: it needs device='cuda', not {self.device!r}")
-        if self.qformat not in QFORMATS:
-            raise ValueError(f"qformat={self.qformat!r} is not a quantization format; valid: {', '.join(QFORMATS)}")
+        self._parse_qformat()
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
                              f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
@@ -76,9 +83,20 @@ class BuildConfig:
             raise ValueError(f"awq_block_size={self.awq_block_size} must be an even number >= 2 (INT4 values "
                              f"are packed two to a byte)")
 
+    def _parse_qformat(self) -> None:
+        if isinstance(self.qformat, QuantScheme) and self.qformat.buildable:
+            return
+        name = self.qformat.name if isinstance(self.qformat, QuantScheme) else self.qformat
+        try:
+            object.__setattr__(self, "qformat", parse_qformat(name))
+        except QuantError:
+            raise ValueError(f"qformat={name!r} is not a quantization format; valid: "
+                             f"{', '.join(QFORMATS)}") from None
+
     @property
     def quantizes(self) -> bool:
-        return self.qformat != "full_prec" or self.kv_cache_dtype != "auto"
+        return self.qformat.name != "full_prec" or self.kv_cache_dtype != "auto"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings as JSON values (`qformat` by its name)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "qformat": self.qformat.name}

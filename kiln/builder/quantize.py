@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from kiln.checkpoints.prequant.base import CheckpointQuantization
 from kiln.model_defs import ModelConfig, ModelDef
 from kiln.quant.base import QuantConfig, QuantError
-from kiln.quant.calib_data import CalibrationTexts, read_calibration_texts
+from kiln.quant.calib_data import DEFAULT_CALIB_SIZE, CalibrationTexts, read_calibration_texts
 from kiln.quant.calibrate import CalibrationResult, calibrate
 from kiln.quant.convert import (
     CheckpointParts,
@@ -28,8 +29,7 @@ from kiln.quant.convert import (
     quantize_parts,
     quantized_layers,
 )
-from kiln.quant.formats import GROUPED, KV_CACHE_QUANT_DTYPES, quant_config
-from kiln.quant.prequant.base import CheckpointQuantization
+from kiln.quant.formats import KV_CACHE_QUANT_DTYPES, quant_config
 from kiln.quant.rounding import FP8_MAX, int_max
 from kiln.quant.spec import QuantSpec
 
@@ -70,7 +70,7 @@ def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: Mo
     checkpoint (`checkpoint_format`) is read as it is: asking to quantize it again is refused."""
     if checkpoint_format is not None:
         if config.quantizes:
-            flags = [f"--qformat {config.qformat}"] * (config.qformat != "full_prec") + \
+            flags = [f"--qformat {config.qformat.name}"] * (config.qformat.name != "full_prec") + \
                 [f"--kv-cache-dtype {config.kv_cache_dtype}"] * (config.kv_cache_dtype != "auto")
             raise QuantError(f"the checkpoint is already quantized ({checkpoint_format.name}); {' and '.join(flags)} "
                              f"would quantize it again, which kiln does not offer: build it without those flags, "
@@ -80,13 +80,13 @@ def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: Mo
         return QuantPlan(config, quant, layers, False, None, checkpoint_format=checkpoint_format)
     if not config.quantizes:
         return None
-    group = config.awq_block_size if config.qformat in GROUPED else None
-    quant = quant_config(config.qformat, group)
+    group = config.awq_block_size if config.qformat.grouped else None
+    quant = quant_config(config.qformat, group)  # the entry --qformat was parsed into: no look-up by name
     layers = {} if quant is None else quantized_layers(model_def, model_config, quant, dtype)
     kv = config.kv_cache_dtype in KV_CACHE_QUANT_DTYPES
     wants = (needs_calibration(layers) or kv) and not config.dummy_weights
     if config.calib_dataset is not None and not wants:
-        logger.warning("--calib-dataset is not used: --qformat %s%s needs no calibration", config.qformat,
+        logger.warning("--calib-dataset is not used: --qformat %s%s needs no calibration", config.qformat.name,
                        " with --dummy-weights" if config.dummy_weights else "")
     data = read_calibration_texts(config.calib_dataset) if wants else None
     return QuantPlan(config, quant, layers, wants, data)
@@ -96,9 +96,9 @@ def run_calibration(plan: QuantPlan, checkpoint: Path, model_config: ModelConfig
     if not plan.calibrate:
         return
     c = plan.config
-    logger.info("calibrating %s%s with ModelOpt on %s (%d samples of up to %d tokens, %s)", c.qformat,
-                f" + {c.kv_cache_dtype} KV cache" if plan.kv_quantized else "", plan.data.name, c.calib_size,
-                c.calib_max_seq_len, c.device)
+    logger.info("calibrating %s%s with ModelOpt on %s (%s samples of up to %d tokens, %s)", c.qformat.name,
+                f" + {c.kv_cache_dtype} KV cache" if plan.kv_quantized else "", plan.data.name,
+                c.calib_size or f"up to {DEFAULT_CALIB_SIZE}", c.calib_max_seq_len, c.device)
     plan.result = calibrate(checkpoint, plan.quant, c.kv_cache_dtype, plan.data, c.calib_size,
                             c.calib_max_seq_len, c.device)
     if plan.kv_quantized and len(plan.result.kv_amax) != model_config.num_layers:
@@ -162,7 +162,7 @@ def quant_spec(plan: QuantPlan) -> QuantSpec:
                                    if plan.kv_quantized else "auto")
     c = plan.config
     result = plan.result
-    return QuantSpec(qformat=c.qformat, kv_cache_dtype=c.kv_cache_dtype,
-                     group_size=c.awq_block_size if c.qformat in GROUPED else None,
+    return QuantSpec(qformat=c.qformat.name, scheme=c.qformat, kv_cache_dtype=c.kv_cache_dtype,
+                     group_size=c.awq_block_size if c.qformat.grouped else None,
                      modelopt_version=None if result is None else result.modelopt_version,
                      calibration=None if result is None else result.record)

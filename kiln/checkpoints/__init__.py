@@ -1,3 +1,4 @@
-"""Reading Hugging Face checkpoints, below both the builder (which converts them) and kiln.quant (whose
-pre-quantized formats look into them): `reader.CheckpointReader`, name-addressed tensors of a checkpoint
-directory."""
+"""Reading Hugging Face checkpoints, below the builder (which converts them): `reader.CheckpointReader`,
+name-addressed tensors of a checkpoint directory, and `prequant/`, the readers of checkpoints already
+quantized (ModelOpt, compressed-tensors, FP8 block, AWQ, GPTQ), which map a format's config and tensor
+layouts onto kiln's schemes. Of kiln.quant they see only the types they answer in (QuantSpec, QuantError)."""

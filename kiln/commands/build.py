@@ -8,11 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.distribution import install_hint
+
 QFORMAT_HELP = (
     "weight quantization, TensorRT-LLM's names: full_prec (default: the model dtype), fp8 (FP8 E4M3 weights "
     "and activations, per-tensor scales), int8_sq (INT8 SmoothQuant W8A8), int4_awq (INT4 AWQ weight-only, "
     "group --awq-block-size), int8_wo (INT8 weight-only, per channel), int4_wo (INT4 weight-only, per group). "
-    "fp8, int8_sq and int4_awq are calibrated with NVIDIA ModelOpt (pip install 'kiln[quant]')")
+    f"fp8, int8_sq and int4_awq are calibrated with NVIDIA ModelOpt: {install_hint('quant')}")
 CALIB_HELP = (
     "calibration text: a plain-text file, or JSON lines with a 'text' field. Default: a sample that ships "
     "with kiln (Python standard-library source with its English docstrings). Calibrate a chat model on "
@@ -55,20 +57,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the runtime then compiles them at first use on each machine (half a minute for an 8B "
                         "model), as Triton does by default")
     q = p.add_argument_group("quantization")
-    q.add_argument("--qformat", default="full_prec",
-                   choices=["full_prec", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo"], help=QFORMAT_HELP)
+    q.add_argument("--qformat", default="full_prec", type=parse_qformat_flag, metavar="QFORMAT", help=QFORMAT_HELP)
     q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="KV-cache dtype with any --qformat; auto = the model dtype; fp8 and int8 are calibrated "
                         "(per-layer scales) and hold twice the tokens of a 16-bit cache (default: auto)")
     q.add_argument("--awq-block-size", type=int, default=128,
                    help="group size (input columns per scale) of int4_awq and int4_wo (default: 128)")
     q.add_argument("--calib-dataset", default=None, metavar="FILE", help=CALIB_HELP)
-    q.add_argument("--calib-size", type=int, default=512, help="calibration samples (default: 512)")
+    q.add_argument("--calib-size", type=int, default=None,
+                   help="calibration samples; fewer than asked is warned about (default: up to 512, as many as "
+                        "the calibration data gives)")
     q.add_argument("--calib-max-seq-len", type=int, default=512, help="tokens per calibration sample (default: 512)")
     q.add_argument("--eval-text", default=None, metavar="FILE",
                    help="after the build, print the perplexity of the engine on this UTF-8 text next to the "
                         "full-precision engine's, so the cost of a format shows before deploying it")
     p.set_defaults(run=run)
+
+
+def parse_qformat_flag(name: str):
+    """--qformat, parsed here once into its registry entry (kiln.quant.registry.QuantScheme), which BuildConfig
+    and the builder take as it is; the valid names are the registry's buildable schemes. argparse calls it only
+    when `kiln build` runs (its default too), so the CLI's other commands and --help import no torch."""
+    from kiln.quant.base import QuantError
+    from kiln.quant.formats import QFORMATS, parse_qformat
+
+    try:
+        return parse_qformat(name)
+    except QuantError:  # in argparse's own words for a bad choice
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from "
+                                         f"{', '.join(map(repr, QFORMATS))})") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ def compare_perplexity(checkpoint: Path, engine: Path, config, text: str) -> str
         full_config = dataclasses.replace(config, qformat="full_prec", kv_cache_dtype="auto")
         full = score(build_engine(checkpoint, Path(tmp) / "full_prec", full_config, progress=False))
     change = 100.0 * (quantized.perplexity / full.perplexity - 1.0)
-    what = config.qformat + (f" + {config.kv_cache_dtype} KV cache" if config.kv_cache_dtype != "auto" else "")
+    kv = f" + {config.kv_cache_dtype} KV cache" if config.kv_cache_dtype != "auto" else ""
+    what = config.qformat.name + kv
     return (f"perplexity on --eval-text ({quantized.num_scored_tokens} tokens): full precision {full.perplexity:.4f}, "
             f"{what} {quantized.perplexity:.4f} ({change:+.2f}%) [{time.perf_counter() - start:.1f}s]")

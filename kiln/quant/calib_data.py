@@ -12,6 +12,7 @@ from .base import QuantError
 
 DEFAULT_SAMPLE = Path(__file__).resolve().parent / "data" / "calibration-sample.txt"
 DEFAULT_NAME = "kiln default sample (11 Python 3.11 standard-library modules, 300 KB)"
+DEFAULT_CALIB_SIZE = 512  # samples taken when --calib-size is not given (fewer when the data gives fewer)
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,17 @@ def _jsonl_texts(path: Path, text: str) -> tuple[str, ...]:
 def calibration_samples(data: CalibrationTexts, tokenizer, num_samples: int, max_seq_len: int) -> list[list[int]]:
     """At most `num_samples` token-id lists of at most `max_seq_len` tokens. Plain text is cut into
     consecutive windows, each starting with the tokens the tokenizer puts in front of a text (BOS), as a
-    prompt would."""
+    prompt would. Texts are tokenized whole on purpose (then cut), so transformers' warning about a text longer
+    than the model's maximum length is turned off (verbose=False)."""
     if data.is_jsonl:
-        samples = [tokenizer(t, add_special_tokens=True).input_ids[:max_seq_len] for t in data.texts[:num_samples]]
+        samples = [tokenizer(t, add_special_tokens=True, verbose=False).input_ids[:max_seq_len]
+                   for t in data.texts[:num_samples]]
         return [s for s in samples if s]
     prefix = tokenizer("", add_special_tokens=True).input_ids
     body = max_seq_len - len(prefix)
     if body < 1:
         raise QuantError(f"--calib-max-seq-len {max_seq_len} leaves no room after the tokenizer's {len(prefix)} "
                          f"special token(s)")
-    ids = tokenizer(data.texts[0], add_special_tokens=False).input_ids
+    ids = tokenizer(data.texts[0], add_special_tokens=False, verbose=False).input_ids
     windows = [prefix + ids[i:i + body] for i in range(0, len(ids), body)][:num_samples]
     return windows

@@ -6,7 +6,7 @@ plugins/fp8_block_linear.py's.
 
 A fused qkv/gate_up layer is its parts' weights and scales concatenated by rows. That is exact only when
 every part but the last ends on a block boundary (a multiple of b0 rows), since a block row's scale covers
-b0 consecutive rows; the checkpoint reader checks it (quant/prequant/fp8_block.py), as only it knows the parts.
+b0 consecutive rows; the checkpoint reader checks it (checkpoints/prequant/fp8_block.py), as only it knows the parts.
 """
 
 from __future__ import annotations

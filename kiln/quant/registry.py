@@ -53,6 +53,11 @@ class QuantScheme:
     min_compute_capability: tuple[int, int] | None = None  # the oldest CUDA GPU that computes it; None: any
     buildable: bool = True  # made by `kiln build --qformat`; False: only pre-quantized checkpoints bring it
 
+    def __reduce__(self) -> tuple[Callable[[str], QuantScheme], tuple[str]]:
+        # Pickled (and deep-copied) by name, as an Enum member is: `config` is a lambda, and the entry in
+        # another process is that process's own registered one.
+        return scheme, (self.name,)
+
 
 _SCHEMES: dict[str, QuantScheme] = {}
 

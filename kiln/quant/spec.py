@@ -7,14 +7,15 @@ full-precision KV cache records null.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 from typing import Any
 
 from kiln.engine_format.json_fields import check_json_fields
 
+from . import registry
 from .base import QuantConfig, QuantError
 from .formats import ENGINE_SCHEMES, quant_config
-from .registry import UnknownSchemeError, scheme
+from .registry import QuantScheme, UnknownSchemeError
 from .selection import DEFAULT_EXCLUDED, LayerSelection
 
 
@@ -44,12 +45,20 @@ class QuantSpec:
     smoothed: bool = False  # weight_only: a pre_quant_scale [1, in] per layer (a ModelOpt AWQ export)
     block_size: tuple[int, ...] | None = None  # fp8_block: [rows, cols] of a weight-scale block
     source: str | None = None  # a pre-quantized checkpoint's format, e.g. "ModelOpt FP8 (hf_quant_config.json)"
+    # The registry entry `qformat` names, when the caller has it already (kiln build's parsed --qformat): then
+    # the name is not looked up again. Kept as `self.scheme` either way (quant_config uses it); not a field, so
+    # engine.json and equality see only `qformat`. One naming another scheme (dataclasses.replace with a new
+    # qformat carries the old one) is ignored and the name looked up.
+    scheme: InitVar[QuantScheme | None] = None
 
-    def __post_init__(self) -> None:
-        try:
-            entry = scheme(self.qformat)
-        except UnknownSchemeError:
-            raise QuantError(f"qformat={self.qformat!r} must be one of {', '.join(ENGINE_SCHEMES)}") from None
+    def __post_init__(self, scheme: QuantScheme | None) -> None:
+        entry = scheme if scheme is not None and scheme.name == self.qformat else None
+        if entry is None:
+            try:
+                entry = registry.scheme(self.qformat)
+            except UnknownSchemeError:
+                raise QuantError(f"qformat={self.qformat!r} must be one of {', '.join(ENGINE_SCHEMES)}") from None
+        object.__setattr__(self, "scheme", entry)
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise QuantError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be auto, fp8 or int8")
         if entry.grouped and self.group_size is None:
@@ -69,7 +78,7 @@ class QuantSpec:
         return self.qformat == "full_prec" and self.kv_cache_dtype == "auto"
 
     def quant_config(self) -> QuantConfig | None:
-        return quant_config(self.qformat, self.group_size, LayerSelection(tuple(self.exclude_modules)),
+        return quant_config(self.scheme, self.group_size, LayerSelection(tuple(self.exclude_modules)),
                             bits=self.bits, zero_point=self.zero_point, act_order=self.act_order, smoothed=self.smoothed,
                             block_size=self.block_size)
 

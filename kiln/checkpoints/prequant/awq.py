@@ -22,13 +22,12 @@ from typing import Any
 
 import torch
 
+from kiln.checkpoints.prequant.base import CheckpointQuantization, ReadTensor
 from kiln.model_defs.layers.linear import Linear
 from kiln.plugins.int4_pack import pack_int4
-
-from ..base import QuantError
-from ..selection import DEFAULT_EXCLUDED
-from ..spec import QuantSpec
-from .base import CheckpointQuantization, ReadTensor
+from kiln.quant.base import QuantError
+from kiln.quant.selection import DEFAULT_EXCLUDED
+from kiln.quant.spec import QuantSpec
 
 PACK = 8  # 4-bit values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its 8

@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kiln.model_defs.layers.linear import Linear
-
-from ..spec import QuantSpec
+from kiln.quant.spec import QuantSpec
 
 # checkpoint tensor name -> tensor (lazily read from the checkpoint's files); KeyError for one it lacks
 ReadTensor = Callable[[str], torch.Tensor]

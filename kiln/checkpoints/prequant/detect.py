@@ -13,17 +13,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..base import QuantError
-from .base import CheckpointQuantization
+from kiln.checkpoints.prequant.base import CheckpointQuantization
+from kiln.quant.base import QuantError
 
 # quant_method -> the module whose `from_checkpoint(checkpoint, quantization_config, hf_quant_config, names)`
 # reads that format.
 READERS = {
-    "modelopt": "kiln.quant.prequant.modelopt",
-    "compressed-tensors": "kiln.quant.prequant.compressed_tensors",
-    "fp8": "kiln.quant.prequant.fp8_block",
-    "awq": "kiln.quant.prequant.awq",
-    "gptq": "kiln.quant.prequant.gptq",
+    "modelopt": "kiln.checkpoints.prequant.modelopt",
+    "compressed-tensors": "kiln.checkpoints.prequant.compressed_tensors",
+    "fp8": "kiln.checkpoints.prequant.fp8_block",
+    "awq": "kiln.checkpoints.prequant.awq",
+    "gptq": "kiln.checkpoints.prequant.gptq",
 }
 HF_QUANT_CONFIG = "hf_quant_config.json"
 # Last name components of tensors that only quantized checkpoints have.

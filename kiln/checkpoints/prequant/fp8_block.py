@@ -18,20 +18,19 @@ transformers does (a module path prefix up to a dot, or a suffix) and must agree
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kiln.checkpoints.prequant.base import CheckpointQuantization, ReadTensor
 from kiln.model_defs.layers.linear import Linear
 from kiln.model_defs.recipes import FUSED_MODULES
-
-from ..base import QuantError
-from ..fp8_block import cdiv
-from ..selection import DEFAULT_EXCLUDED
-from ..spec import QuantSpec
-from .base import CheckpointQuantization, ReadTensor
+from kiln.quant.base import QuantError
+from kiln.quant.selection import DEFAULT_EXCLUDED
+from kiln.quant.spec import QuantSpec
 
 FORMAT = "quant_method fp8"
 # Scale dtypes that become float32 exactly.
@@ -113,7 +112,7 @@ class Fp8BlockCheckpoint(CheckpointQuantization):
                 raise QuantError(f"{prefix}: part {module} has {rows} rows, not a multiple of the checkpoint's "
                                  f"block of {b0} rows, so its blocks cannot be fused by rows with "
                                  f"{', '.join(modules[i + 1:])}; kiln cannot build this layer exactly")
-            scale = _scale(f"{module}.weight_scale_inv", read, (cdiv(rows, b0), cdiv(k, b1)),
+            scale = _scale(f"{module}.weight_scale_inv", read, (math.ceil(rows / b0), math.ceil(k / b1)),
                            f"ceil([{rows}, {k}] / block [{b0}, {b1}])")
             weights.append(weight)
             scales.append(scale)

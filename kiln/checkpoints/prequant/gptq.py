@@ -36,14 +36,13 @@ from typing import Any
 
 import torch
 
+from kiln.checkpoints.prequant.base import CheckpointQuantization, ReadTensor
 from kiln.checkpoints.reader import CheckpointError, CheckpointReader
 from kiln.model_defs.layers.linear import Linear
 from kiln.plugins.int4_pack import pack_int4
-
-from ..base import QuantError
-from ..selection import DEFAULT_EXCLUDED
-from ..spec import QuantSpec
-from .base import CheckpointQuantization, ReadTensor
+from kiln.quant.base import QuantError
+from kiln.quant.selection import DEFAULT_EXCLUDED
+from kiln.quant.spec import QuantSpec
 
 BITS = (4, 8)
 FORMATS = ("gptq", "gptq_v2")

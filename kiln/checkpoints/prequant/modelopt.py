@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
+from kiln.checkpoints.prequant.base import CheckpointQuantization, ReadTensor
 from kiln.model_defs.layers.linear import Linear
-
-from ..base import QuantError
-from ..spec import QuantSpec
-from .base import CheckpointQuantization, ReadTensor
+from kiln.quant.base import QuantError
+from kiln.quant.spec import QuantSpec
 
 ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ")
 _SCHEMES = {"FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8_dynamic", "W8A8_SQ_PER_CHANNEL": "int8_sq",

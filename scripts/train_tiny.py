@@ -35,6 +35,7 @@ SEED = 1234
 VOCAB_SIZE = 8192
 CONTEXT = 1024
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"  # ids 0, 1, 2
+CHAT_TEMPLATE = Path(__file__).resolve().with_name("tiny_chat_template.jinja")
 
 # Held out for evaluation: whole stdlib packages and whole site-packages (vendored copies included).
 HELD_OUT = ("json", "email", "tomllib", "requests", "click")
@@ -172,6 +173,10 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # The chat template `kiln serve` renders with no --chat-template (ChatML-style turns ending in EOS, tools in
+    # Llama's JSON call format), in tokenizer_config.json where transformers 4 and 5 both read it; one copy only.
+    config["chat_template"] = CHAT_TEMPLATE.read_text(encoding="utf-8").rstrip("\n")
+    (out / "chat_template.jinja").unlink(missing_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -316,6 +321,9 @@ tied embeddings, context {CONTEXT}, rope theta 10000 |
 | parameters | {record['params']:,} ({record['params'] / 1e6:.2f}M), stored in bfloat16 |
 | tokenizer | byte-level BPE, {VOCAB_SIZE} tokens, trained on the same corpus; `{bos}` = 0 (put in front of \
 every encoded text), `{eos}` = 1, `{pad}` = 2 |
+| chat template | ChatML-style (`<\\|im_start\\|>role`, each turn ending with `{eos}`) in `tokenizer_config.json` \
+(`scripts/tiny_chat_template.jinja`), so `kiln serve` serves chat with no `--chat-template`; tools are shown in \
+Llama's call format, `{{"name": ..., "parameters": {{...}}}}`. The model is not trained on chat: it answers in Python |
 | data | the `.py` files of Python {corpus['python']}'s standard library and installed site-packages on the \
 training machine: {corpus['train_files']:,} files, {corpus['train_bytes'] / 1e6:.0f} MB, \
 {corpus['train_tokens'] / 1e6:.1f}M tokens after de-duplication and per-package caps |

@@ -16,7 +16,8 @@ from kiln.serve.server import KilnServer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODEL_NAME = "kiln-tiny-code"
-# A minimal chat template (the bundled model has none): role-tagged turns, then the assistant's turn.
+# A minimal chat template, simpler than the one the bundled model ships (tests that need that one pass
+# chat_template=None): role-tagged turns, then the assistant's turn.
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 

@@ -351,7 +351,7 @@ def load_triton_model(engine: Path, repo: Path):
 
 def close_triton_model(model) -> None:
     model.finalize()
-    model.loop.engine.shutdown()  # the loop leaves its engine (and a TP engine's ranks) to its owner
+    model.llm.shutdown()  # finalize already stopped it; a second shutdown is harmless
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,13 @@ def hashes(monkeypatch):
     """The paths hashed while verifying, in order."""
     hashed: list[str] = []
 
-    def counting_file_entry(path):
-        hashed.append(Path(path).name)
-        return file_entry(path)
+    real = verify_module.file_sha256
 
-    monkeypatch.setattr(verify_module, "file_entry", counting_file_entry)
+    def counting_file_sha256(path, stop=None):
+        hashed.append(Path(path).name)
+        return real(path, stop)
+
+    monkeypatch.setattr(verify_module, "file_sha256", counting_file_sha256)
     return hashed
 
 

@@ -40,7 +40,7 @@ def test_a_kind_gpu_instance_runs_the_engine_on_its_device(tmp_path):
         "model_instance_device_id": str(device), "model_repository": str(model_dir), "model_version": "1",
         "model_name": config.name})
     try:
-        assert model.loop.engine.runtime.device == torch.device("cuda", device)
+        assert model.llm.engine.runtime.device == torch.device("cuda", device)
         prompts = ["the cat", "a b c"]
         request = make_request(prompts, max_tokens=8, exclude_input_in_output=True)
         execute(model, request)

@@ -42,8 +42,23 @@ FORBIDDEN = (
     ("kiln.runtime", "kiln.builder", "the runtime reads engines through kiln.engine_format"),
     # The builder uses the formats, not the other way round.
     ("kiln.quant", "kiln.builder", "the builder imports kiln.quant"),
+    # The checkpoint readers (plain HF and the pre-quantized formats) are below the builder that uses them.
+    # Not ("kiln.checkpoints", "kiln.quant"): a pre-quantized reader names the engine's scheme as a
+    # QuantSpec and refuses with QuantError, so it sees quant's types, only those (CHECKPOINTS_SEE_OF_QUANT).
+    ("kiln.checkpoints", "kiln.builder", "the builder imports kiln.checkpoints"),
     # A server loads engines; it never builds one (shared helpers live in engine_format/ or below).
     ("kiln.serve", "kiln.builder", "serve is beside the builder, not above it"),
+    # The runtime's layers, each importing only those below it: core < sampling < worker < engine.
+    ("kiln.runtime.core", "kiln.runtime.sampling", "core is plain data and policy, below sampling"),
+    ("kiln.runtime.core", "kiln.runtime.worker", "core is below the worker"),
+    ("kiln.runtime.core", "kiln.runtime.engine", "core is below the engine"),
+    ("kiln.runtime.sampling", "kiln.runtime.worker", "sampling turns logits into tokens; it never runs the network"),
+    ("kiln.runtime.sampling", "kiln.runtime.engine", "sampling is below the engine"),
+    ("kiln.runtime.worker", "kiln.runtime.engine", "the worker runs steps; the engine drives it, never the reverse"),
+    ("kiln.runtime.distributed", "kiln.runtime.engine", "tensor-parallel ranks are workers"),
+    # Measuring tools use the public API; nothing of kiln's own depends on them.
+    ("kiln.runtime", "kiln.bench", "bench is above the runtime"),
+    ("kiln.serve", "kiln.bench", "bench is a client of serve"),
 )
 
 # The kiln.runtime modules serve may import; anything else in kiln.runtime is the engine's inside.
@@ -58,10 +73,13 @@ SERVE_SEES_OF_RUNTIME = frozenset({
     "kiln.runtime.options",  # RuntimeOptions: the one list of runtime options (ServeConfig.runtime, the Triton model)
     "kiln.runtime.speculative",  # its __init__: SpeculativeConfig, for the --speculative-* options
     "kiln.runtime.engine.detokenizer",  # PROMPT_CONTEXT_TOKENS: an echoed prompt decodes as generated text does
-    # Reached today and to be narrowed by issue 32's serve/runtime layering (item 2): serve reads
-    # `llm.engine.*` (limits, EngineError), and the Triton model builds its own engine loop.
-    "kiln.runtime.engine.engine",
-    "kiln.runtime.engine.factory",
+})
+
+# The kiln.quant modules the checkpoint readers may import: the types a pre-quantized reader answers in.
+CHECKPOINTS_SEE_OF_QUANT = frozenset({
+    "kiln.quant.spec",  # QuantSpec: the kiln scheme a reader says the engine gets (quant_spec)
+    "kiln.quant.base",  # QuantError: what the builder turns into a BuildError naming the file and field
+    "kiln.quant.selection",  # DEFAULT_EXCLUDED: the layers kiln leaves unquantized unless a checkpoint says
 })
 
 # Circles still allowed, each as the sorted list of its modules, with the reason. Empty: there are none.
@@ -225,14 +243,26 @@ def test_forbidden_imports(importer, imported, why):
     assert not leaks, f"{importer} must not import {imported} ({why}): " + ", ".join(leaks)
 
 
-def test_serve_sees_only_the_runtime_modules_it_is_allowed():
+def _reaches_beyond(importer: str, imported: str, allowed: frozenset[str], table: str) -> list[str]:
+    """The imports from modules under `importer` of modules under `imported` that `allowed` (named `table`,
+    whose entries must exist) does not list."""
     edges, _ = _graph()
-    missing = sorted(m for m in SERVE_SEES_OF_RUNTIME if m not in edges)
-    assert not missing, f"SERVE_SEES_OF_RUNTIME names modules that do not exist: {missing}"
-    reaches = [f"{m} -> {t}" for m in sorted(edges) if _under(m, "kiln.serve") for t in sorted(edges[m])
-               if _under(t, "kiln.runtime") and t not in SERVE_SEES_OF_RUNTIME]
+    missing = sorted(m for m in allowed if m not in edges)
+    assert not missing, f"{table} names modules that do not exist: {missing}"
+    return [f"{m} -> {t}" for m in sorted(edges) if _under(m, importer) for t in sorted(edges[m])
+            if _under(t, imported) and t not in allowed]
+
+
+def test_serve_sees_only_the_runtime_modules_it_is_allowed():
+    reaches = _reaches_beyond("kiln.serve", "kiln.runtime", SERVE_SEES_OF_RUNTIME, "SERVE_SEES_OF_RUNTIME")
     assert not reaches, ("serve imports runtime modules outside SERVE_SEES_OF_RUNTIME (import the public name, "
                          "or add the module there with its reason): " + ", ".join(reaches))
+
+
+def test_checkpoints_see_only_the_quant_types_they_answer_in():
+    reaches = _reaches_beyond("kiln.checkpoints", "kiln.quant", CHECKPOINTS_SEE_OF_QUANT, "CHECKPOINTS_SEE_OF_QUANT")
+    assert not reaches, ("kiln.checkpoints imports kiln.quant modules beyond its types (a reader maps a "
+                         "layout; quantization math stays in kiln.quant or kiln.plugins): " + ", ".join(reaches))
 
 
 def test_the_checker_finds_a_circle_through_a_lazy_relative_import(tmp_path):

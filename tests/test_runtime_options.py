@@ -23,10 +23,10 @@ from kiln.serve.tritonserver.repository import BackendParameters
 # A value other than the default for every field, and the flags that ask for the same.
 NON_DEFAULT = dict(device="cpu", max_batch_size=2, max_num_tokens=48, num_kv_blocks=9, enable_prefix_caching=False,
                    kv_cache_memory_fraction=0.5, cuda_graphs=False, async_scheduling=True, verify_checksums=False,
-                   speculative_config=SpeculativeConfig("ngram", 3))
+                   capacity_scheduler_policy="guaranteed_no_evict", speculative_config=SpeculativeConfig("ngram", 3))
 FLAGS = ["--device", "cpu", "--max-batch-size", "2", "--max-num-tokens", "48", "--num-kv-blocks", "9",
          "--no-enable-prefix-caching", "--kv-cache-memory-fraction", "0.5", "--no-cuda-graphs", "--async-scheduling",
-         "--no-verify-checksums", "--speculative-mode", "ngram", "--num-speculative-tokens", "3"]
+         "--no-verify-checksums", "--capacity-scheduler-policy", "guaranteed_no_evict", "--speculative-mode", "ngram", "--num-speculative-tokens", "3"]
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
 
 
@@ -135,10 +135,12 @@ def test_triton_parameters_reach_the_options():
     from kiln.serve.tritonserver.python_model import runtime_options_of
 
     params = BackendParameters.from_strings({"engine_dir": "/e", "enable_kv_cache_reuse": "false",
-                                             "kv_cache_free_gpu_mem_fraction": "0.5"})
+                                             "kv_cache_free_gpu_mem_fraction": "0.5",
+                                             "batch_scheduler_policy": "guaranteed_no_evict"})
     assert runtime_options_of(params, "cpu", 2) == RuntimeOptions(device="cpu", max_batch_size=2,
                                                                   enable_prefix_caching=False,
-                                                                  kv_cache_memory_fraction=0.5)
+                                                                  kv_cache_memory_fraction=0.5,
+                                                                  capacity_scheduler_policy="guaranteed_no_evict")
 
 
 def test_options_reach_a_real_engine(tiny_code_engine):
@@ -147,7 +149,9 @@ def test_options_reach_a_real_engine(tiny_code_engine):
         runtime = llm.engine.runtime
         assert (str(runtime.device), runtime.max_batch_size, runtime.max_num_tokens, runtime.num_kv_blocks,
                 runtime.enable_prefix_caching, runtime.kv_cache_memory_fraction, runtime.cuda_graphs,
-                runtime.async_scheduling) == ("cpu", 2, 48, 40, False, 0.5, False, True)
+                runtime.async_scheduling, runtime.capacity_scheduler_policy) == \
+            ("cpu", 2, 48, 40, False, 0.5, False, True, "guaranteed_no_evict")
+        assert llm.engine.scheduler.policy.name == "guaranteed_no_evict"
         assert llm.speculation_stats() is not None  # the n-gram proposer is on
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.capacity import capacity_policy
 from kiln.runtime.core.request import Request, RequestStatus
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
@@ -43,9 +44,9 @@ class Sim:
     """The engine loop around one Scheduler, checking invariants at every step."""
 
     def __init__(self, num_blocks: int, block_size: int, max_batch_size: int = 64, max_num_tokens: int = 4096,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, policy: str = "max_utilization") -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(SchedulerLimits(max_batch_size, max_num_tokens), self.bm)
+        self.sched = Scheduler(SchedulerLimits(max_batch_size, max_num_tokens), self.bm, capacity_policy(policy, self.bm))
         self.bs = block_size
         self.kv: dict[tuple[int, int], int] = {}  # (block id, offset) -> chain key written there
         self.arrival: dict[str, int] = {}
@@ -431,6 +432,43 @@ def test_preemption_under_tight_memory_loses_and_duplicates_nothing(prefix_cachi
     sim.run()
     sim.check_outputs()  # exactly max_tokens each, the same as alone
     assert all(len(r.output_token_ids) == 10 for r in sim.finished.values())
+
+
+def test_guaranteed_no_evict_never_preempts_and_admits_in_arrival_order():
+    """The same tight memory as above under guaranteed_no_evict: a request starts only once its whole length
+    (prompt + max_tokens) fits beside the running ones' reservations, so nobody is preempted, the head of the
+    queue is never overtaken, and every output is what the request generates alone."""
+    sim = Sim(8, 4, max_batch_size=8, max_num_tokens=64, policy="guaranteed_no_evict")
+    for i in range(6):
+        sim.add(f"r{i}", prompt_of(5 + i % 3, 10 + i), 10)  # 15, 16, 17 tokens: 4, 4, 5 blocks reserved
+    first = sim.step()
+    assert [r.request_id for r in first.requests] == ["r0", "r1"]  # 8 blocks reserved: r2 waits
+    started = []
+    while sim.sched.has_unfinished():
+        before = {r.request_id for r in sim.sched.running}
+        out = sim.step()
+        assert not out.preempted_ids
+        started += [r.request_id for r in out.requests if r.request_id not in before]
+        assert sim.sched.policy.num_reserved <= sim.bm.num_blocks
+    assert sim.num_preemptions == 0 and started == ["r2", "r3", "r4", "r5"]
+    assert sim.sched.policy.num_reserved == 0
+    sim.check_outputs()
+
+
+def test_guaranteed_no_evict_releases_an_aborted_requests_reservation():
+    sim = Sim(8, 4, policy="guaranteed_no_evict")
+    sim.add("big", prompt_of(8, 1), 20)  # 28 tokens: 7 blocks
+    sim.add("small", prompt_of(4, 2), 4)  # 2 blocks: waits behind big's reservation
+    assert [r.request_id for r in sim.step().requests] == ["big"]
+    sim.abort("big")
+    assert [r.request_id for r in sim.step().requests] == ["small"]
+    sim.run()
+
+
+def test_an_unknown_capacity_policy_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="capacity_scheduler_policy='fifo' is not one of max_utilization, "
+                                         "guaranteed_no_evict"):
+        capacity_policy("fifo", BlockManager(4, 4))
 
 
 def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_latest():

@@ -21,7 +21,7 @@ from serve_util import MODEL_NAME, start_server, triton_inputs
 from tritonclient.utils import InferenceServerException
 
 # A chat template that shows the tools and how to call one, and renders earlier calls in the llama3_json format
-# (the bundled model is a code model without a template). transformers trims the newline after a block tag, so
+# (simpler than the bundled model's own). transformers trims the newline after a block tag, so
 # newlines are written as expressions.
 TOOL_TEMPLATE = (
     "{% if tools %}<tools>{{ '\\n' }}{% for tool in tools %}{{ tool.function.name }}: "

@@ -309,7 +309,7 @@ def test_the_triton_model_refuses_a_prompt_over_its_cap_and_tokenizes_off_its_en
 
     model = load_model(repo / tiny_code_engine.name, parse_config=with_cap)
     try:
-        tokenizer = model.loop.engine.tokenizer
+        tokenizer = model.llm.tokenizer
         threads = []
         encode = tokenizer.encode
         tokenizer.encode = lambda *a, **k: threads.append(threading.current_thread().name) or encode(*a, **k)

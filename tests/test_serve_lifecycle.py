@@ -144,6 +144,8 @@ def test_kiln_serve_process_exits_0_on_sigterm(tiny_code_engine):
         match = re.search(r"ready on http://127\.0\.0\.1:(\d+)", line)
         assert match, line + (proc.stdout.read() if proc.poll() is not None else "")
         port = int(match.group(1))
+        line = proc.stdout.readline()  # no --chat-template: the bundled model's own
+        assert line.strip() == "kiln serve: chat template: the engine's own (tokenizer/tokenizer_config.json)", line
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=10).status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -13,6 +13,8 @@ import pytest
 from serve_util import CHAT_TEMPLATE, MODEL_NAME, start_server
 
 from kiln.runtime import LLM, SamplingParams
+from kiln.serve.config import ServeConfig
+from kiln.serve.openai.chat import chat_template_source
 
 PROMPT = "def add(a, b):"
 PROMPTS = ["import numpy as np\n", "class Stack:\n    def push(self, item):"]
@@ -195,13 +197,39 @@ def test_chat_logprobs(client):
     assert plain.choices[0].logprobs is None
 
 
-def test_chat_without_a_template_is_a_400(tiny_code_engine):
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+
+
+def test_the_bundled_model_chats_and_calls_tools_with_no_chat_template_flag(tiny_code_engine):
+    """No --chat-template: the engine's own template (the bundled model ships one) serves chat and tools; an
+    engine without one answers chat with a 400 naming the flag, and the startup line says which it is."""
     s = start_server(tiny_code_engine, chat_template=None)
     try:
+        tokenizer = s.service.tokenizer
+        assert chat_template_source(s.config, tokenizer) == "the engine's own (tokenizer/tokenizer_config.json)"
+        client = openai.OpenAI(base_url=s.http_base + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0)
+        rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        assert r.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=40, temperature=0,
+                                           tools=[WEATHER], tool_choice="required")
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        tokenizer.chat_template = None  # this server's own engine: as an engine built from a checkpoint without one
         status, body = post(s, "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES})
+        assert status == 400 and "--chat-template" in body["error"]["message"]
+        assert chat_template_source(s.config, tokenizer).startswith("none: /v1/chat/completions answers 400")
     finally:
         s.stop()
-    assert status == 400 and "--chat-template" in body["error"]["message"]
+
+
+def test_the_startup_line_names_the_chat_template_file(tiny_code_engine):
+    config = ServeConfig(engine_dir=str(tiny_code_engine), chat_template=CHAT_TEMPLATE, chat_template_file="t.jinja")
+    assert chat_template_source(config, object()) == "the file given by --chat-template (t.jinja)"
+    assert chat_template_source(config, None).startswith("none: this engine has no tokenizer")
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------

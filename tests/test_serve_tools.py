@@ -44,7 +44,7 @@ def _write_tasks(directory) -> None:
 
 
 def test_lm_eval_local_completions(server, tiny_code_engine, tmp_path, monkeypatch):
-    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install kiln[test-tools])")
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[test]')")
     from lm_eval import simple_evaluate
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
@@ -90,7 +90,7 @@ def test_lm_eval_local_completions(server, tiny_code_engine, tmp_path, monkeypat
 def test_guidellm_request_shapes(server):
     """What guidellm 0.8.1's default backend (openai_http) sent to `kiln serve` when run by hand: GET /health
     (it stops there if that fails), GET /v1/models, then per request this body (its default route is chat, so
-    the server needs a chat template: the bundled model has none, `--chat-template FILE` gives one)."""
+    the server needs a chat template: the bundled model ships one)."""
     with urllib.request.urlopen(server.http_base + "/health", timeout=10) as response:
         assert response.status == 200
     with urllib.request.urlopen(server.http_base + "/v1/models", timeout=10) as response:

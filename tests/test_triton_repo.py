@@ -17,10 +17,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 import kiln
 from kiln.cli import main
-from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.engine.factory import engine_from_loaded
-from kiln.runtime.worker.engine_loader import load_engine
-from kiln.serve.tritonserver.engine_loop import EngineLoop
+from kiln.runtime import LLM, AsyncLLM, SamplingParams
+from kiln.serve.tritonserver.relay import Relay
 from kiln.serve.tritonserver.repository import MODEL_SOURCE, site_directories
 from kiln.serve.tritonserver.schema import DATATYPES, INPUT_SPECS, INPUTS, OUTPUT_SPECS, OUTPUTS
 
@@ -150,7 +148,8 @@ def test_config_pbtxt_is_a_decoupled_python_model_with_the_schema_tensors(repo, 
         tiny_code_engine.name, f"{tiny_code_engine.name}/1", f"{tiny_code_engine.name}/1/kiln_env.json",
         f"{tiny_code_engine.name}/1/model.py", f"{tiny_code_engine.name}/config.pbtxt"]
     assert json.loads((model_dir / "1" / "kiln_env.json").read_text()) == {
-        "python_path": site_directories(), "kiln_version": kiln.__version__}
+        "python_path": site_directories(), "kiln_version": kiln.__version__,
+        "kiln_dir": str(Path(kiln.__file__).resolve().parent)}
 
 
 def test_cli_options_reach_the_config(tiny_code_engine, tmp_path, capsys):
@@ -270,7 +269,7 @@ def test_guided_decoding_inputs_constrain_the_output_and_a_bad_guide_is_refused(
     guided = make_request(["id = ", "key = "], exclude_input_in_output=True, guided_decoding_guide_type=b"regex",
                           guided_decoding_guide=regex.encode())
     schema = make_request("data = ", exclude_input_in_output=True, guided_decoding_guide_type=b"json")
-    # xgrammar refuses the regex when the engine thread adds the request: the whole batch gets one error
+    # xgrammar refuses the regex (compiled row by row, in order): the whole batch gets one error naming row 0
     bad = make_request(["x = ", "y = "], guided_decoding_guide_type=b"regex", guided_decoding_guide=b"([a-z]")
     no_type = make_request("x = ", guided_decoding_guide=b"a+")
     execute(model, guided, schema, bad, no_type)
@@ -282,8 +281,8 @@ def test_guided_decoding_inputs_constrain_the_output_and_a_bad_guide_is_refused(
         assert request.sender.wait_final(60)
     assert all(re.fullmatch(regex, text) for text in texts(guided.sender.responses[0]))
     assert isinstance(json.loads(texts(schema.sender.responses[0])[0]), dict)
-    wait_for(lambda: model.loop.engine.kv_cache_stats()["num_running"] == 0)
-    stats = model.loop.engine.kv_cache_stats()
+    wait_for(lambda: model.llm.kv_cache_stats()["num_running"] == 0)
+    stats = model.llm.kv_cache_stats()
     assert stats["free_blocks"] == stats["total_blocks"] and stats["num_waiting"] == 0
 
 
@@ -295,17 +294,18 @@ def test_a_cancelled_request_is_aborted_and_its_kv_blocks_freed(model):
     assert request.sender.wait_final(30)
     assert request.sender.sends[-1][1:] == (None, FINAL)  # the final flag alone
     assert len(request.sender.sends) < 100
-    stats = model.loop.engine.kv_cache_stats()
+    wait_for(lambda: model.llm.kv_cache_stats()["num_running"] == 0)
+    stats = model.llm.kv_cache_stats()
     assert stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == stats["num_waiting"] == 0
 
 
-def test_finalize_ends_running_requests_and_stops_the_engine_thread(repo, tiny_code_engine):
+def test_finalize_ends_running_requests_and_stops_the_engine(repo, tiny_code_engine):
     model = load_model(repo / tiny_code_engine.name)
     request = make_request(PROMPTS[0], max_tokens=500, stream=True)
     execute(model, request)
     wait_for(lambda: request.sender.sends)
     model.finalize()
-    assert not model.loop.is_running
+    assert not model.relay.is_running and not model.llm.is_running
     assert request.sender.finished and request.sender.sends[-1][1].error().message() == "the model is being unloaded"
     late = make_request(PROMPTS[0])
     execute(model, late)
@@ -411,38 +411,36 @@ class RecordingSink:
         raise AssertionError(message)
 
 
-@pytest.fixture(scope="module")
-def three_block_engine(tiny_code_engine):
-    return load_engine(tiny_code_engine, num_kv_blocks=3)  # 48 token slots (blocks of 16)
-
-
 @pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
-def test_batch_scheduler_policy(three_block_engine, references, policy):
-    engine = engine_from_loaded(*three_block_engine)  # the loaded weights, a KV cache of its own
-    loop = EngineLoop(engine, policy)
-    params = SamplingParams(max_tokens=16, temperature=0)  # 10 prompt tokens + 16: 2 blocks each, 4 for both
+def test_batch_scheduler_policy(tiny_code_engine, references, policy):
+    """The Triton parameter batch_scheduler_policy is the scheduler's capacity policy (RuntimeOptions
+    capacity_scheduler_policy); the relay only relays. A KV cache of 3 blocks (48 token slots) holds one
+    request of 10 prompt tokens + 16 at a time."""
+    llm = AsyncLLM(tiny_code_engine, num_kv_blocks=3, capacity_scheduler_policy=policy)
+    relay = Relay(llm)
+    params = SamplingParams(max_tokens=16, temperature=0)  # 2 blocks each, 4 for both
     first, second = RecordingSink(), RecordingSink()
-    loop.submit([PROMPTS[0]], [params], first)
-    loop.submit([PROMPTS[0]], [params], second)
+    relay.submit([llm.tokenize(PROMPTS[0])], [params], first)
+    relay.submit([llm.tokenize(PROMPTS[0])], [params], second)
     try:
         assert first.done.wait(60) and second.done.wait(60)
     finally:
-        loop.stop()
-    assert not loop.is_running
+        relay.stop()
+        llm.shutdown()
+    assert not relay.is_running
     for sink in (first, second):
         assert sink.updates[-1][1].token_ids[:MAX_TOKENS] == references[PROMPTS[0]].token_ids
     first_finished = first.updates[-1][0]
     if policy == "guaranteed_no_evict":  # the second waits until the first's blocks are free: nobody is evicted
-        assert engine.num_preemptions == 0 and second.updates[0][0] > first_finished
+        assert llm.engine.num_preemptions == 0 and second.updates[0][0] > first_finished
     else:  # both start at once; when the blocks run out, the newer one is preempted and recomputed
-        assert engine.num_preemptions > 0 and second.updates[0][0] < first_finished
+        assert llm.engine.num_preemptions > 0 and second.updates[0][0] < first_finished
 
 
 def test_a_row_that_fails_alone_ends_its_submission_with_the_error(tiny_code_engine, references):
     """A constraint that allows "def" and then nothing fails its row once running: that submission gets one
-    `fail` naming the input (client_error), the loop goes on and a submission beside it is answered whole."""
+    `fail` naming the input (client_error), the relay goes on and a submission beside it is answered whole."""
     from kiln.runtime import GuidedDecoding
-    from kiln.runtime.engine.factory import create_engine
 
     class FailSink(RecordingSink):
         failed = None
@@ -451,22 +449,24 @@ def test_a_row_that_fails_alone_ends_its_submission_with_the_error(tiny_code_eng
             self.failed = (message, client_error)
             self.done.set()
 
-    engine = create_engine(tiny_code_engine)
-    loop = EngineLoop(engine)
+    llm = AsyncLLM(tiny_code_engine)
+    relay = Relay(llm)
     dead_end = SamplingParams(max_tokens=8, temperature=0,
                               guided_decoding=GuidedDecoding(grammar='root ::= "def" x\nx ::= x'))
     healthy, failing = RecordingSink(), FailSink()
-    loop.submit([PROMPTS[0]], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)], healthy)
-    loop.submit([PROMPTS[0], PROMPTS[0]], [SamplingParams(max_tokens=8, temperature=0), dead_end], failing)
+    ids = llm.tokenize(PROMPTS[0])
+    relay.submit([ids], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)], healthy)
+    relay.submit([ids, ids], [SamplingParams(max_tokens=8, temperature=0), dead_end], failing)
     try:
         assert healthy.done.wait(60) and failing.done.wait(60)
-        assert loop.is_running
+        assert relay.is_running
     finally:
-        loop.stop()
-        engine.shutdown()
+        relay.stop()
+        llm.shutdown()
     message, client_error = failing.failed
     assert client_error and message.startswith("batch row 1: input 'guided_decoding_guide'") and \
         "allows no token" in message
     assert healthy.updates[-1][1].token_ids == references[PROMPTS[0]].token_ids
+    engine = llm.engine
     stats = engine.kv_cache_stats()
     assert stats["free_blocks"] == stats["total_blocks"]

@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,8 +52,13 @@ def layout(install, tiny_code_engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def triton(install, layout, references):
+    """The server, started from a folder holding a `kiln/` directory, as from the folder above a clone named
+    kiln: the Python backend puts its working directory on sys.path, and model.py must still import the
+    kiln that wrote the repository (issue 40)."""
     repo, backends, _ = layout
-    server = start_server(install, repo, backends, repo.parent / "tritonserver.log", load=[MODEL])
+    started_in = repo.parent / "above-a-clone"
+    (started_in / "kiln" / "kiln").mkdir(parents=True)
+    server = start_server(install, repo, backends, repo.parent / "tritonserver.log", load=[MODEL], cwd=started_in)
     try:
         server.wait_ready(MODEL, READY_TIMEOUT_S)
         yield server
@@ -82,6 +88,15 @@ def test_the_model_is_ready_with_kilns_config(triton):
     config = client.get_model_config(MODEL)
     assert config["backend"] == "python" and config["model_transaction_policy"]["decoupled"] is True
     assert {i["name"] for i in client.get_model_metadata(MODEL)["inputs"]} >= {"text_input", "max_tokens", "stream"}
+
+
+def test_the_model_imports_the_kiln_that_wrote_it_from_a_folder_holding_kiln(triton):
+    """model.py says in the server's log which kiln it loaded: this one, not the `kiln/` folder where the
+    server started."""
+    import kiln
+
+    kiln_dir = Path(kiln.__file__).resolve().parent
+    assert f"kiln's Triton model: kiln {kiln.__version__} from {kiln_dir}\n" in triton.log()
 
 
 def test_http_generate_returns_the_greedy_completion(triton, references):

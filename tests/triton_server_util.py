@@ -249,9 +249,9 @@ class TritonServer:
 
 
 def start_server(install: TritonInstall, repo: Path, backends: Path, log_file: Path, *, load: list[str],
-                 exit_timeout_s: int = 30, extra_args: tuple[str, ...] = ()) -> TritonServer:
-    """tritonserver on free loopback ports, models loaded explicitly (`load`); returns once it runs (see
-    TritonServer.wait_ready)."""
+                 exit_timeout_s: int = 30, extra_args: tuple[str, ...] = (), cwd: Path | None = None) -> TritonServer:
+    """tritonserver on free loopback ports, models loaded explicitly (`load`), started in the folder `cwd` (the
+    Python backend puts it on the stubs' sys.path); returns once it runs (see TritonServer.wait_ready)."""
     http, grpc, metrics = free_ports(3)
     args = [str(install.binary), f"--model-repository={repo}", f"--backend-directory={backends}",
             f"--cache-directory={install.server_dir / 'caches'}",
@@ -261,5 +261,5 @@ def start_server(install: TritonInstall, repo: Path, backends: Path, log_file: P
             f"--exit-timeout-secs={exit_timeout_s}", "--log-verbose=0", *extra_args]
     with open(log_file, "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=install.env(), start_new_session=True)
+                                   env=install.env(), start_new_session=True, cwd=cwd)
     return TritonServer(process, http, grpc, metrics, log_file)

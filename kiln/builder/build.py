@@ -37,6 +37,7 @@ from kiln.engine_format import (
     rank_file_name,
     write_engine_json,
 )
+from kiln.engine_format.chunks import DEFAULT_CHUNK_BYTES
 from kiln.engine_format.limits import check_build_limits
 from kiln.engine_format.ownership import engine_manifest_paths, foreign_entries
 from kiln.engine_format.staging import staged_directory
@@ -63,6 +64,8 @@ from .safetensors_writer import TensorSpec, specs_of, write_safetensors_split
 from .sharding import ShardingError, plan_sharding
 
 logger = logging.getLogger("kiln.builder")
+# Weight files longer than this also list their chunks' sha256s, so a load verifies them on every core.
+WEIGHT_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -357,14 +360,15 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
             written = write_safetensors_split(
                 [staging / rank_file_name(r) for r in ranks], specs, sharder.rank_specs[:len(ranks)], produce,
                 sharder.cut, [{"format": "pt", "kiln_rank": str(r)} for r in ranks], progress=progress,
-                desc=f"writing {label}{kind}") if ranks else []
+                desc=f"writing {label}{kind}", chunk_bytes=WEIGHT_CHUNK_BYTES) if ranks else []
         except CheckpointError as e:
             raise BuildError(str(e)) from e
         except QuantError as e:
             raise BuildError(str(e)) from None
         target["kernel_settings"] = _kernel_settings(config, model_def, model_config, torch_dtype,
                                                      None if plan is None else plan.quant, mapping)
-        files = {**{rank_file_name(r): FileEntry(w.size, w.sha256) for r, w in enumerate(written)},
+        files = {**{rank_file_name(r): FileEntry(w.size, w.sha256, w.chunk_bytes, w.chunk_sha256)
+                    for r, w in enumerate(written)},
                  **copy_tokenizer(checkpoint, staging)}
         build = EngineBuildConfig(
             dtype=dtype_name, max_batch_size=config.max_batch_size, max_num_tokens=config.max_num_tokens,

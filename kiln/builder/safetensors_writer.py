@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoints.reader import SAFETENSORS_DTYPES
+from kiln.engine_format.chunks import ChunkHasher
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -54,11 +55,14 @@ def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """A finished file: its final path, its size in bytes and the sha256 hex digest of all its bytes."""
+    """A finished file: its final path, its size in bytes and the sha256 hex digest of all its bytes; and when
+    it was written with `chunk_bytes` and is longer than one chunk, the sha256 of each chunk (else None)."""
 
     path: Path
     size: int
     sha256: str
+    chunk_bytes: int | None = None
+    chunk_sha256: tuple[str, ...] | None = None
 
 
 def safetensors_dtype_name(dtype: torch.dtype) -> str:
@@ -78,10 +82,12 @@ class SafetensorsStream:
     `<path>.partial` until `finish` renames it, so a file at `path` is always complete; a stream closed
     without `finish` (an exception in its `with` block) deletes its partial file. `on_write(n)`, when set,
     is told of every n bytes written after it was set (a progress bar; `bytes_written` counts all).
+    `chunk_bytes`: also hash every consecutive `chunk_bytes` of the file as it is written (manifest chunks,
+    see `engine_format.chunks`), kept for a file longer than one chunk.
     """
 
     def __init__(self, path: str | Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None,
-                 on_write: Callable[[int], None] | None = None) -> None:
+                 on_write: Callable[[int], None] | None = None, chunk_bytes: int | None = None) -> None:
         if sys.byteorder != "little":
             # safetensors stores little-endian bytes; we copy memory as is.
             raise RuntimeError(f"writing safetensors needs a little-endian machine, this one is {sys.byteorder}")
@@ -91,6 +97,8 @@ class SafetensorsStream:
         self.size = len(header) + sum(spec.nbytes for spec in self.specs)
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._digest = hashlib.sha256()
+        # The same bytes hashed again per chunk as they go out: no second read of the file.
+        self._chunks = None if chunk_bytes is None or self.size <= chunk_bytes else ChunkHasher(chunk_bytes)
         self.on_write = on_write
         self.bytes_written = 0
         self._added = 0
@@ -131,7 +139,10 @@ class SafetensorsStream:
             self._partial.unlink(missing_ok=True)
             raise RuntimeError(f"{self._partial}: wrote {written} bytes, header promised {self.size}")
         os.replace(self._partial, self.path)
-        return WrittenFile(path=self.path, size=self.size, sha256=self._digest.hexdigest())
+        chunks = self._chunks
+        return WrittenFile(path=self.path, size=self.size, sha256=self._digest.hexdigest(),
+                           chunk_bytes=None if chunks is None else chunks.chunk_bytes,
+                           chunk_sha256=None if chunks is None else chunks.digests())
 
     def abort(self) -> None:
         """Closes and deletes the partial file (nothing at `path` is touched)."""
@@ -141,6 +152,8 @@ class SafetensorsStream:
     def _emit(self, data: bytes | memoryview) -> None:
         self._out.write(data)
         self._digest.update(data)
+        if self._chunks is not None:
+            self._chunks.update(data)
         self.bytes_written += len(data)
         if self.on_write is not None:
             self.on_write(len(data))
@@ -175,12 +188,13 @@ def write_safetensors_split(
     metadata: Sequence[dict[str, str] | None] | None = None,
     progress: bool = False,
     desc: str = "",
+    chunk_bytes: int | None = None,
 ) -> list[WrittenFile]:
     """Writes one safetensors file per path in one pass: tensor k of file i is `cut(name, whole, i)` of the
     whole tensor `produce(specs[k])`, which must match `file_specs[i][k]` (tensor-parallel ranks' shares).
 
     Each whole tensor is produced once, and only it and one cut of it are held at a time. A failure leaves
-    no partial file behind.
+    no partial file behind. `chunk_bytes`: each file longer than that also gets its chunks' sha256s.
     """
     metadata = [None] * len(paths) if metadata is None else list(metadata)
     if not len(paths) == len(file_specs) == len(metadata):
@@ -190,7 +204,7 @@ def write_safetensors_split(
         if len(specs_i) != len(specs):
             raise ValueError(f"{path}: {len(specs_i)} tensors, but {len(specs)} whole tensors are produced")
     with contextlib.ExitStack() as stack:
-        streams = [stack.enter_context(SafetensorsStream(path, specs_i, meta))
+        streams = [stack.enter_context(SafetensorsStream(path, specs_i, meta, chunk_bytes=chunk_bytes))
                    for path, specs_i, meta in zip(paths, file_specs, metadata, strict=True)]
         bar = stack.enter_context(tqdm(total=sum(stream.size for stream in streams), unit="B", unit_scale=True,
                                        initial=sum(stream.bytes_written for stream in streams), desc=desc,

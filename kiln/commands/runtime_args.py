@@ -30,7 +30,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
             continue
         if "type" in f.metadata:
             g.add_argument(flag_of(f.name), dest=f.name, type=f.metadata["type"], default=f.default,
-                           help=_with_default(f.metadata["help"], f.default))
+                           choices=f.metadata.get("choices"), help=_with_default(f.metadata["help"], f.default))
         else:  # a boolean (async_scheduling's None default: on CUDA only)
             g.add_argument(flag_of(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                            help=f.metadata["help"])

@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated web origins (e.g. http://localhost:3000) whose cross-origin requests "
                         "are served, with CORS headers ('*': any); others get 403 (default: none)")
     p.add_argument("--chat-template", default=None,
-                   help="file with a Jinja chat template for /v1/chat/completions (default: the tokenizer's)")
+                   help="file with a Jinja chat template for /v1/chat/completions (default: the engine's, from its "
+                        "tokenizer_config.json or chat_template.jinja; kiln's bundled models ship one)")
     p.add_argument("--tool-call-parser", default=None, choices=("llama3_json", "hermes"),
                    help="the tool-call format /v1/chat/completions reads from the model's answer and constrains it "
                         "to with tool_choice required or a named function: llama3_json ({\"name\": ..., "
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                          max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
                          max_prompt_chars=args.max_prompt_chars,
                          shutdown_timeout_s=args.shutdown_timeout, chat_template=template,
+                         chat_template_file=args.chat_template,
                          tool_call_parser=args.tool_call_parser,
                          max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
                          keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,

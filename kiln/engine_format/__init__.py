@@ -1,8 +1,8 @@
 """The engine directory format, shared by the builder (which writes it) and the runtime (which reads it).
 
-`spec` reads and writes engine.json, `manifest` parses the files it lists and `verify` checks them
-(sizes, and sha256 trusted through `stamps` once matched), `config` types its build_config and `mapping`
-its rank layout, `limits` bounds the build limits (for the builder's flags and engine.json alike),
+`spec` reads and writes engine.json, `manifest` parses the files it lists (`chunks`: per-chunk sha256s of
+large files) and `verify` checks them (sizes, and sha256 trusted through `stamps` once matched), `config`
+types its build_config and `mapping` its rank layout, `limits` bounds the build limits (for the builder's flags and engine.json alike),
 `json_fields` checks a JSON object against the dataclass it becomes, and `ownership` says whether a
 directory is an engine that a build may replace; `staging` (with `build_owner`) writes a directory all at once
 (engines, and serve's Triton repositories). The runtime imports this package, never the builder.

@@ -116,7 +116,7 @@ def write_engine_json(
         "build_config": build_config,
         "mapping": mapping,
         "target": target,
-        "files": {p: {"size": e.size, "sha256": e.sha256} for p, e in sorted(files.items())},
+        "files": {p: e.to_json() for p, e in sorted(files.items())},
     }
     for field, expected in _FIELDS.items():
         if not isinstance(document[field], expected):
@@ -143,9 +143,11 @@ def write_engine_json(
     return target_path
 
 
-def load_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = True) -> EngineSpec:
+def load_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = True,
+                     sha256_by_caller: bool = False) -> EngineSpec:
     """Read and validate engine.json and check every manifest file's size and, unless `verify_checksums`
-    is False, its sha256.
+    is False, its sha256. `sha256_by_caller`: sizes only; the caller verifies the hashes itself with
+    `verify.start_verification(spec.engine_dir, spec.files)` before it uses the engine.
 
     Raises EngineError naming what is wrong and what to do about it. A file whose hash matched is
     stamped outside the engine (`stamps`) and not hashed again while it is unchanged, so only the first
@@ -172,7 +174,7 @@ def load_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = True) -
                 f"{engine_dir / ENGINE_JSON}: mapping.num_ranks is {mapping['num_ranks']} but the manifest "
                 f"lists no {rank_file_name(rank)}; {hint}"
             )
-    check_files(engine_dir, files, verify_checksums)
+    check_files(engine_dir, files, verify_checksums, sha256_by_caller=sha256_by_caller)
     return EngineSpec(
         engine_dir=engine_dir,
         format_version=document["format_version"],

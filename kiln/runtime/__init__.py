@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kiln.runtime.core.guided_decoding import GuidedDecoding
     from kiln.runtime.core.outputs import RequestOutput
+    from kiln.runtime.core.request_checks import Prompt
     from kiln.runtime.core.sampling_params import SamplingParams
     from kiln.runtime.engine.async_llm import AsyncLLM
     from kiln.runtime.engine.llm import LLM
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 
 _PUBLIC = {"LLM": ".engine.llm", "AsyncLLM": ".engine.async_llm", "RequestOutput": ".core.outputs",
            "SamplingParams": ".core.sampling_params", "GuidedDecoding": ".core.guided_decoding",
-           "RuntimeOptions": ".options"}
-__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions"]
+           "RuntimeOptions": ".options", "Prompt": ".core.request_checks"}
+__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions", "Prompt"]
 
 
 def __getattr__(name: str):

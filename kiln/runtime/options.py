@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kiln.runtime.core.capacity import CAPACITY_POLICIES
 from kiln.runtime.speculative.config import SpeculativeConfig, speculative_config_of
 
 if TYPE_CHECKING:
@@ -60,6 +61,12 @@ class RuntimeOptions:
               "(--no-verify-checksums: sizes only)")
     """Check every engine file's sha256 against the manifest (hashed once per file version, then trusted through
     a stamp, see `kiln.engine_format.stamps`); False: sizes only."""
+    capacity_scheduler_policy: str = _option(
+        "max_utilization", "when a waiting request starts: max_utilization (at once; a request may be preempted "
+        "and recomputed when KV blocks run short) or guaranteed_no_evict (once its prompt + max_tokens fit: "
+        "never preempted)", type=str, choices=CAPACITY_POLICIES)
+    """The scheduler's capacity policy (TensorRT-LLM's names; runtime/core/capacity.py): "max_utilization" or
+    "guaranteed_no_evict"."""
     speculative_config: SpeculativeConfig | None = _option(
         None, "speculative decoding: --speculative-model/--speculative-mode, --num-speculative-tokens, "
               "--ngram-min, --ngram-max", flags="speculative")
@@ -83,6 +90,9 @@ class RuntimeOptions:
         object.__setattr__(self, "verify_checksums", bool(self.verify_checksums))
         if self.async_scheduling is not None:
             object.__setattr__(self, "async_scheduling", bool(self.async_scheduling))
+        if self.capacity_scheduler_policy not in CAPACITY_POLICIES:
+            raise ValueError(f"capacity_scheduler_policy={self.capacity_scheduler_policy!r} must be one of "
+                             f"{', '.join(CAPACITY_POLICIES)}")
         object.__setattr__(self, "speculative_config", speculative_config_of(self.speculative_config))
 
 

@@ -39,6 +39,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones, on a loopback bind ("*": any)
     allowed_origins: tuple[str, ...] = ()  # web origins whose cross-origin requests are served ("*": any)
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's chat template
+    chat_template_file: str | None = None  # the file chat_template was read from (--chat-template), for the log
     # the tool-call format the chat API reads and constrains (serve/openai/tool_calls.py): llama3_json or hermes;
     # None: the engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes)
     tool_call_parser: str | None = None

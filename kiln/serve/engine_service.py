@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kiln.runtime import Prompt
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.engine.async_llm import AsyncLLM
-from kiln.runtime.engine.engine import Prompt
 from kiln.serve.errors import InternalError, InvalidRequest, Overloaded, RequestError, Unavailable
 from kiln.serve.guided_request import engine_refusal
 from kiln.serve.metrics import ServeMetrics
@@ -67,11 +67,11 @@ class EngineService:
 
     @property
     def max_seq_len(self) -> int:
-        return self.llm.engine.runtime.max_seq_len
+        return self.llm.max_seq_len
 
     @property
     def max_batch_size(self) -> int:
-        return self.llm.engine.runtime.max_batch_size
+        return self.llm.max_batch_size
 
     @property
     def ready(self) -> bool:
@@ -111,13 +111,13 @@ class EngineService:
         """The engine's `tokenize` (a ValueError names what is wrong), for the prompt worker; a text's ids are
         not checked at all when there are more than max_seq_len of them: that prompt is refused for its length
         before it reaches the engine."""
-        engine = self.llm.engine
-        if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
-            ids = engine.tokenizer.encode(prompt)
+        tokenizer = self.llm.tokenizer
+        if isinstance(prompt, str) and prompt and tokenizer is not None:
+            ids = tokenizer.encode(prompt)
             if len(ids) > self.max_seq_len:
                 return list(ids)
             prompt = ids
-        return engine.tokenize(prompt)
+        return self.llm.tokenize(prompt)
 
     async def prompt_ids(self, prompt: Prompt, params: SamplingParams) -> Prompt:
         """A text prompt's token ids, tokenized on the prompt worker; a prompt of token ids is checked to fit
@@ -126,7 +126,7 @@ class EngineService:
         if isinstance(prompt, str):
             prompt = await self.run_prompt_work(self.tokenize, prompt, size=len(prompt))
         if isinstance(prompt, list):
-            self.llm.engine.check_fits(len(prompt), params)
+            self.llm.check_fits(len(prompt), params)
         return prompt
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,

@@ -19,7 +19,7 @@ from kiln.serve.config import ServeConfig
 from kiln.serve.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from kiln.runtime.engine.engine import Prompt
+    from kiln.runtime import Prompt
 
 # The default of --max-prompt-chars: a prompt that fits the engine is never refused for its size unless it
 # averages more than DEFAULT_CHARS_PER_TOKEN characters a token (English prose takes about 4, code about 3, and

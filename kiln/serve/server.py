@@ -16,6 +16,7 @@ from kiln.serve.config import ServeConfig
 from kiln.serve.engine_service import EngineService
 from kiln.serve.http.app import make_http_app, make_metrics_app
 from kiln.serve.http.guard import LimitedTCPSite
+from kiln.serve.openai.chat import chat_template_source
 
 logger = logging.getLogger("kiln.serve")
 
@@ -123,6 +124,7 @@ async def serve(config: ServeConfig) -> None:
     print(f"kiln serve: {server.model_name} ready on http://{config.host}:{server.http_port} (HTTP: Triton v2 + "
           f"OpenAI), {config.host}:{server.grpc_port} (gRPC), http://{config.host}:{server.metrics_port}/metrics",
           flush=True)
+    print(f"kiln serve: chat template: {chat_template_source(config, server.service.tokenizer)}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,7 +160,7 @@ async def _engine_failure(server: KilnServer) -> str:
     llm = server.service.llm
     while llm.is_running:
         await asyncio.sleep(ENGINE_WATCH_PERIOD_S)
-    return llm.engine.fault or repr(llm.error)
+    return llm.stop_reason
 
 
 def _exit_now(reason) -> None:

@@ -8,6 +8,8 @@ new requests join the batch at the next step. Long prompts are split across step
 What fits in memory is the block manager's answer. When a running request cannot get a block, the most
 recently arrived running request is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed (its generated tokens are kept and re-fed), so no request is lost or duplicated.
+Whether a waiting request may start at all is the capacity policy's answer (capacity.py): at once
+(max_utilization), or once its whole length fits beside the others' (guaranteed_no_evict: never preempted).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kiln.runtime.core.block_manager import BlockManager, CachedPrefix
+from kiln.runtime.core.capacity import CapacityPolicy, MaxUtilization
 from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
 
 
@@ -72,9 +75,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager,
+                 policy: CapacityPolicy | None = None) -> None:
         self.limits = limits
         self.blocks = block_manager
+        self.policy = policy if policy is not None else MaxUtilization()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order: the last one is preempted first
         self._requests: dict[str, Request] = {}
@@ -103,6 +108,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.blocks.free(request_id)
+        self.policy.ended(request)
         return request
 
     # ---- one step ------------------------------------------------------------------------------
@@ -136,6 +142,8 @@ class Scheduler:
         # Waiting requests start only if nobody was preempted this step (memory is known to be short).
         while self.waiting and not preempted and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             request = self.waiting[0]
+            if not self.policy.admits(request):
+                break  # first come, first served: nobody overtakes the head of the queue
             # A preempted request looks up its generated tokens too: its own blocks may still be cached.
             # Prompt logprobs need every prompt position computed, so those requests skip the cache.
             prefix = CachedPrefix()
@@ -150,6 +158,7 @@ class Scheduler:
                 request.num_cached_prompt_tokens = prefix.num_tokens
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
+            self.policy.started(request)
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new

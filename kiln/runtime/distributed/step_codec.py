@@ -56,7 +56,8 @@ _START_KEYS = frozenset({"kind", "v", "engine_dir", "runtime", "launch", "kv_cac
 _RUNTIME_FIELDS = {"device": "device", "dtype": "dtype", "max_batch_size": "int", "max_num_tokens": "int",
                    "max_seq_len": "int", "block_size": "int", "num_kv_blocks": "int?",
                    "enable_prefix_caching": "bool", "kv_cache_memory_fraction": "float", "cuda_graphs": "bool",
-                   "kv_cache_dtype": "dtype?", "async_scheduling": "bool?"}
+                   "kv_cache_dtype": "dtype?", "async_scheduling": "bool?",
+                   "capacity_scheduler_policy": "str"}
 _LAUNCH_FIELDS = {"rank": "int", "world_size": "int", "master_addr": "str", "master_port": "int",
                   "local_rank": "int", "local_world_size": "int", "external": "bool"}
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode

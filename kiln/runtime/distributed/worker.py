@@ -18,7 +18,7 @@ from kiln.runtime.distributed.group import RankGroups
 from kiln.runtime.distributed.launch import RankLaunch
 from kiln.runtime.distributed.rank import join, rank_runtime, start_runner
 from kiln.runtime.distributed.step_codec import StepDecoder
-from kiln.runtime.worker.engine_loader import RuntimeConfig, load_engine_info
+from kiln.runtime.worker.engine_loader import RuntimeConfig, engine_info, open_engine_spec
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -37,8 +37,9 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
     try:
         runtime = rank_runtime(runtime, launch, engine_dir)
         groups = join(runtime, launch)
-        # Rank 0 has checked every file's checksum already, and only it detokenizes.
-        info = load_engine_info(engine_dir, verify_checksums=False, tokenizer=False)
+        # Rank 0 checks every file's sha256 (in the background, before its engine serves), and only it
+        # detokenizes.
+        info = engine_info(open_engine_spec(engine_dir, sha256_by_caller=True), tokenizer=False)
         runner = start_runner(info, runtime, groups, kv_cache_scales)
         _watch_rank0(groups)
         receive = groups.receive_step if steps is None else steps.receive

@@ -20,9 +20,9 @@ from typing import Any
 
 from kiln.runtime.core.guided_decoding import GuidedDecoding
 from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.request_checks import Prompt
 from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
-from kiln.runtime.engine.engine import Prompt
 from kiln.runtime.engine.factory import create_engine
 from kiln.runtime.options import RuntimeOptions, runtime_options
 
@@ -49,6 +49,37 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    # ---- what a front end needs to know of the engine (plain values, safe from any thread) ----------------
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.runtime.max_seq_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine.runtime.max_batch_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def architecture(self) -> str:
+        """The Hugging Face architecture the engine was built from (e.g. "LlamaForCausalLM")."""
+        return self.engine.info.spec.architecture
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids, checked (a ValueError names the problem). Thread-safe: front ends call it on
+        their own threads so the engine thread never tokenizes."""
+        return self.engine.tokenize(prompt)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raises ValueError naming the limit (max_seq_len, the KV cache) when such a request could never run."""
+        self.engine.check_fits(num_prompt_tokens, params)
+
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs for one request as it advances (cumulative, or what is new with
@@ -63,9 +94,7 @@ class AsyncLLM:
             prompt = await loop.run_in_executor(None, self.engine.tokenize, prompt)
         guided = sampling_params.guided_decoding if isinstance(sampling_params, SamplingParams) else None
         if guided is not None:
-            # Compile here, off the engine thread, so a slow constraint does not stall every running request;
-            # add_request then finds it in the compiler's cache. A bad one raises its ValueError here.
-            await loop.run_in_executor(None, self._compile, guided)
+            await self.compile_guide(guided)
         sink: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", prompt, sampling_params, request_id, loop, sink, added))
@@ -91,6 +120,12 @@ class AsyncLLM:
             if not finished:
                 with contextlib.suppress(EngineDeadError):  # stopped meanwhile: nothing left to abort
                     self._send(("abort", request_id, None))
+
+    async def compile_guide(self, guided: GuidedDecoding) -> None:
+        """Compiles a constraint (cached: `generate` then finds it), off the engine thread so a slow one does not
+        stall every running request. A bad one raises its ValueError naming the problem (the refusal is cached
+        too). `generate` calls it; a front end may call it first to refuse a batch row by row, in order."""
+        await asyncio.get_running_loop().run_in_executor(None, self._compile, guided)
 
     def _compile(self, guided: GuidedDecoding) -> None:
         self.engine.guided_masker().compiler.compile(guided)
@@ -120,6 +155,11 @@ class AsyncLLM:
     def error(self) -> BaseException | None:
         """What stopped the engine thread, if it crashed."""
         return self._error
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the engine has stopped (a dead tensor-parallel rank, the thread's crash), for logs and errors."""
+        return self._stop_reason()
 
     def kv_cache_stats(self) -> dict[str, int]:
         """A snapshot; reads plain counters, safe from any thread."""

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.capacity import capacity_policy
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
 from kiln.runtime.core.request_checks import Prompt, check_fits, tokenize_prompt
-from kiln.runtime.core.request_failure import RequestFailed, RequestFailure
+from kiln.runtime.core.request_failure import RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kiln.runtime.engine.text_stage import TextStage
 from kiln.runtime.engine.tracked_request import TrackedRequest
 from kiln.runtime.sampling.min_tokens import apply_min_tokens
 from kiln.runtime.sampling.prompt_logprobs import PromptLogprobTarget
@@ -61,7 +63,8 @@ class LLMEngine:
         self.runtime = runtime = dataclasses.replace(runtime, num_kv_blocks=executor.num_kv_blocks)
         self.block_manager = BlockManager(runtime.num_kv_blocks, runtime.block_size, runtime.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens),
-                                   self.block_manager)
+                                   self.block_manager,
+                                   capacity_policy(runtime.capacity_scheduler_policy, self.block_manager))
         self.sampler = Sampler()
         self.speculator = speculator
         # The sampler's token-mask stage (guided decoding sets it); None: every token may be sampled.
@@ -83,9 +86,8 @@ class LLMEngine:
             overlap = runtime.device.type == "cuda"
         self.async_scheduling = bool(overlap) and getattr(executor, "accepts_token_feed", False) and \
             speculator is None
-        # Tokens read back but not yet turned into text: (request, token, its index among the request's
-        # output tokens, whether the token adds text).
-        self._pending: list[tuple[TrackedRequest, int, int, bool]] = []
+        # Tokens read back but not yet turned into text (the next step() does, while the GPU runs).
+        self._text = TextStage()
         # Requests ended by a failure of their own since the last step() returned: their final updates.
         self._failed: list[RequestOutput] = []
         self.num_preemptions = 0
@@ -164,17 +166,14 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        for item in [item for item in self._pending if item[0] is tracked]:  # its last tokens' text
-            self._pending.remove(item)
-            if item[3]:
-                tracked.detokenizer.add_token(item[1])
+        self._text.drop(tracked, add_text=True)  # its last tokens' text
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._release(request_id)
         return tracked.output()
 
     def has_unfinished(self) -> bool:
         """Whether step() has more to do: requests to run, a step in flight, or outputs not yet handed out."""
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._pending) or \
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._text) or \
             bool(self._failed)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -206,8 +205,7 @@ class LLMEngine:
             self._inflight = self._launch(scheduled, inflight if overlap else None)
         if overlap:
             self._complete(inflight, resolve=True)
-        pending, self._pending = self._pending, []
-        outputs = self._emit(pending, final_only)
+        outputs = self._text.emit(final_only, self._stop, self._fail)
         if self._failed:
             outputs.extend(self._failed)
             self._failed = []
@@ -252,8 +250,8 @@ class LLMEngine:
 
     def _complete(self, launched: _Launched, resolve: bool = False) -> None:
         """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
-        token id or their length, checking token by token; their text is left for _emit. One pass per
-        request: this runs between the GPU's steps, for every request in the batch. `resolve`: the step was
+        token id or their length, checking token by token; their text is left for `TextStage.emit`. One pass
+        per request: this runs between the GPU's steps, for every request in the batch. `resolve`: the step was
         already advanced (`Scheduler.advance_inflight`), its tokens replace the placeholders."""
         out = launched.sample.to_host() if launched.sample is not None else None
         offsets = launched.logits_offsets
@@ -295,7 +293,7 @@ class LLMEngine:
                     tracked.logprobs.append(out.logprobs[first_row + k])
                 if tracked.top_logprobs is not None:
                     tracked.top_logprobs.append(dict(out.top_logprobs[first_row + k]))
-                self._pending.append((tracked, token, num_output + k, last_adds_text or k < kept - 1))
+                self._text.add(tracked, token, num_output + k, last_adds_text or k < kept - 1)
             if status is not None:
                 endings.append((request_id, status))
         if resolve:
@@ -314,75 +312,30 @@ class LLMEngine:
                     endings.append((request_id, RequestStatus.FINISHED_ERROR))
         for request_id, status in endings:
             if status == RequestStatus.FINISHED_ERROR:
-                self._fail(request_id)
-                continue
-            self.scheduler.finish_request(request_id, status)
-            del self._tracked[request_id]
-            self._release(request_id)
-
-    def _emit(self, pending: list[tuple[TrackedRequest, int, int, bool]], final_only: bool) -> list[RequestOutput]:
-        """Adds the read-back tokens' text (ending requests that complete a stop string) and builds one update
-        per request that advanced: several tokens of one step (verified drafts) go out together, so only the
-        last update of a request is marked finished. With `final_only`, updates of finished requests only.
-        Something that goes wrong for one request (its text cannot be decoded) ends that request alone."""
-        advanced: dict[TrackedRequest, int] = {}  # request -> index of its last token that counts
-        for tracked, token, index, add_text in pending:
-            if tracked.failure is not None:
-                continue
-            try:
-                if self._add_text(tracked, token, index, add_text, final_only):
-                    advanced[tracked] = index
-            except Exception as e:  # kiln's fault, for this request only
-                tracked.failure = RequestFailure(f"internal error while decoding the output: {e!r}")
-                advanced.pop(tracked, None)
-                if tracked.request.request_id in self._tracked:
-                    self._fail(tracked.request.request_id)
-                else:  # ended within this step already: its final update is this failure
-                    tracked.request.status = RequestStatus.FINISHED_ERROR
-                    self._failed.append(tracked.output())
-        outputs = []
-        for tracked, index in advanced.items():
-            request = tracked.request
-            last = request.status.finished and index == len(request.output_token_ids) - 1
-            if (final_only or request.sampling_params.output_kind == "final_only") and not last:
-                continue
-            outputs.append(tracked.output(index + 1))
-        return outputs
-
-    def _add_text(self, tracked: TrackedRequest, token: int, index: int, add_text: bool,
-                  final_only: bool) -> bool:
-        """Adds a token's text, ending the request if it completes a stop string; False for a token after a
-        stop string that ended its request within the same step (it was dropped)."""
-        request = tracked.request
-        if index >= len(request.output_token_ids):
-            return False
-        final_only = final_only or request.sampling_params.output_kind == "final_only"
-        last = request.status.finished and index == len(request.output_token_ids) - 1
-        if add_text and final_only and not last and not request.sampling_params.stop:
-            # Nobody reads this text before the request ends and no stop string is searched for: decode it
-            # then, all at once, rather than twice per token (most of the host's work per request and step).
-            tracked.detokenizer.defer(token)
-            return True
-        if add_text and tracked.detokenizer.add_token(token) is not None:
-            # Tokens sampled after the stop string in the same step are dropped.
-            for values in (request.output_token_ids, tracked.logprobs, tracked.top_logprobs):
-                if values is not None:
-                    del values[index + 1:]
-            if request.status.finished:  # ended by its length with this very token: the stop string wins
-                request.status = RequestStatus.FINISHED_STOPPED
+                self._fail(self._tracked[request_id])
             else:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                del self._tracked[request.request_id]
-                self._release(request.request_id)
-        return True
+                self._end(request_id, status)
 
-    def _fail(self, request_id: str) -> None:
-        """Ends a running request whose `failure` is set with finish_reason "error" (its KV blocks, matcher and
-        drafts released; its tokens not yet turned into text dropped) and queues its final update."""
-        tracked = self._tracked.pop(request_id)
-        self._pending = [item for item in self._pending if item[0] is not tracked]
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+    def _end(self, request_id: str, status: RequestStatus) -> None:
+        """Ends a running request: frees its KV blocks, matcher and drafts."""
+        self.scheduler.finish_request(request_id, status)
+        del self._tracked[request_id]
         self._release(request_id)
+
+    def _stop(self, request_id: str) -> None:
+        """Ends a running request that completed a stop string."""
+        self._end(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _fail(self, tracked: TrackedRequest) -> None:
+        """Ends a request whose `failure` is set with finish_reason "error" and queues its final update. A
+        running one is ended (`_end`, its tokens not yet turned into text dropped); one that ended within this
+        step already (its text failed) only changes its finish reason."""
+        request_id = tracked.request.request_id
+        if request_id in self._tracked:
+            self._text.drop(tracked)
+            self._end(request_id, RequestStatus.FINISHED_ERROR)
+        else:
+            tracked.request.status = RequestStatus.FINISHED_ERROR
         self._failed.append(tracked.output())
 
     def _release(self, request_id: str) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kiln.engine_format import ENGINE_JSON, EngineError
 from kiln.engine_format.config import KVCacheScales
+from kiln.engine_format.verify import Verification, format_bytes, manifest_error, start_verification
 from kiln.runtime.distributed import TPExecutor, launch_from_env
 from kiln.runtime.distributed.launch import local_launch
 from kiln.runtime.distributed.worker import run_worker
@@ -21,8 +22,9 @@ from kiln.runtime.worker.engine_loader import (
     EngineInfo,
     LoadedEngine,
     RuntimeConfig,
-    load_engine_info,
+    engine_info,
     load_network,
+    open_engine_spec,
     resolve_runtime,
 )
 from kiln.runtime.worker.executor import Executor, LocalExecutor
@@ -84,24 +86,38 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig, startup: StartupLo
 def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None) -> LLMEngine:
     """Loads an engine directory and assembles its engine core, run as `options` say (device, lower limits,
     KV-cache size, CUDA graphs; `speculative_config`: the proposer, a draft engine loaded on the same device or
-    n-gram lookup; None: the defaults). Every failure is an EngineError or ValueError naming what to change."""
+    n-gram lookup; None: the defaults). Every failure is an EngineError or ValueError naming what to change.
+
+    With `verify_checksums` (the default) the files' sha256 are hashed in background threads while the
+    weights load and the graphs are captured; the engine is returned only after every file matched. A file
+    that does not match fails with the EngineError a check before loading gives, and what was loaded is
+    released; so does a failure while loading that a damaged file explains."""
     options = options if options is not None else RuntimeOptions()
     verify_checksums = options.verify_checksums
     start = time.perf_counter()
     startup = StartupLog()
     speculative = options.speculative_config
-    with startup.stage("load/verify"):
-        info = load_engine_info(engine_dir, verify_checksums=verify_checksums)
-        runtime = resolve_runtime(info, options)
-    executor = create_executor(info, runtime, startup)
-    speculator = None
-    if speculative is not None:
-        try:
+    verification: Verification | None = None
+    executor: Executor | None = None
+    speculator: Speculator | None = None
+    try:
+        with startup.stage("load"):
+            spec = open_engine_spec(engine_dir, verify_checksums=verify_checksums, sha256_by_caller=verify_checksums)
+            if verify_checksums and not _launched_as_worker_rank():
+                verification = start_verification(spec.engine_dir, spec.files)
+            info = engine_info(spec)
+            runtime = resolve_runtime(info, options)
+        executor = create_executor(info, runtime, startup)
+        if speculative is not None:
             speculator = make_speculator(speculative, info, runtime, create_executor=create_executor,
                                          verify_checksums=verify_checksums)
-        except BaseException:
-            executor.shutdown()
-            raise
+        finish_verification(verification, startup)
+    except BaseException as error:
+        if executor is not None:
+            release_executor(executor, speculator)
+        executor = speculator = None  # the traceback keeps this frame: let the network go now
+        settle_verification(verification, error)
+        raise
     engine = LLMEngine(info, runtime, executor, speculator)
     # An engine dropped without shutdown() (a notebook's `del llm`) still stops a tensor-parallel engine's
     # ranks and leaves its groups: on the engine, not the executor, whose watcher thread keeps it alive.
@@ -109,6 +125,47 @@ def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None)
     logger.info("engine %s (%s, %s, %s) ready in %.2fs: %s", info.spec.engine_dir, info.spec.architecture,
                 info.config.build.dtype, runtime.device, time.perf_counter() - start, startup.summary())
     return engine
+
+
+def _launched_as_worker_rank() -> bool:
+    """Whether a launcher (torchrun) started this process as a rank > 0, which only runs steps: rank 0
+    verifies every rank's files."""
+    try:
+        launch = launch_from_env()
+    except ValueError:  # create_executor says what is wrong
+        return False
+    return launch is not None and launch.rank != 0
+
+
+def finish_verification(verification: Verification | None, startup: StartupLog) -> None:
+    """Waits for the background sha256 checks, adds their stage to `startup` (the seconds they added to the
+    startup: those beyond the stages they ran beside) and raises the manifest's EngineError on a mismatch."""
+    if verification is None:
+        startup.add("verify", 0.0, "sha256 skipped: verify_checksums=False")
+        return
+    problems = verification.wait()
+    hashed = len(verification.to_hash)
+    trusted = len(verification.files) - hashed
+    note = (f"sha256 of {hashed} file(s), {format_bytes(verification.bytes_hashed)}, in "
+            f"{verification.seconds:.2f}s beside loading; {trusted} trusted by stamp") if hashed else \
+        f"{trusted} file(s) trusted by stamp"
+    startup.add("verify (overlapped)", verification.waited, note)
+    if problems:
+        raise manifest_error(verification.engine_dir, problems)
+
+
+def settle_verification(verification: Verification | None, error: BaseException) -> None:
+    """After `error` stopped an engine's startup: an interrupt stops the hashing at once; any other failure
+    waits for it, and a file that does not match the manifest is raised in its place (a damaged weight file
+    shows as a parse error or a shape mismatch while loading; the manifest's error says what to do)."""
+    if verification is None or verification.done:
+        return
+    if not isinstance(error, Exception):
+        verification.cancel()
+        return
+    problems = verification.wait()
+    if problems:
+        raise manifest_error(verification.engine_dir, problems) from error
 
 
 def release_executor(executor: Executor, speculator: Speculator | None = None) -> None:

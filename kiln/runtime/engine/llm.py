@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.request_checks import Prompt
 from kiln.runtime.core.sampling_params import SamplingParams
-from kiln.runtime.engine.engine import Prompt
 from kiln.runtime.engine.factory import create_engine
 from kiln.runtime.options import RuntimeOptions, runtime_options
 

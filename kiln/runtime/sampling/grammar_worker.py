@@ -1,7 +1,8 @@
-"""The grammar compiler's worker processes: xgrammar cannot interrupt a compilation, so each constraint is first
-compiled in a child process that is killed at the time limit (`grammar_compiler.py` drives them).
+"""The grammar compiler's worker processes, the parent's side: xgrammar cannot interrupt a compilation, so each
+constraint is first compiled in a child process that is killed at the time limit (`grammar_compiler.py` drives
+them; the children's side, the zygote's and the workers' loops, is `grammar_zygote.py`).
 
-One *zygote* per process is started on the first constrained request (`python -P -m kiln.runtime.sampling.grammar_worker`:
+One *zygote* per process is started on the first constrained request (`python -P -m kiln.runtime.sampling.grammar_zygote`:
 a fresh interpreter, so neither the server's threads nor its main module come along). It imports xgrammar (which
 imports torch: 2 to 4 s on the dev machine) once, holds each compiler's `TokenizerInfo`, and forks workers on
 demand (tens of milliseconds), so a worker killed at the limit is replaced at once. A worker compiles a constraint
@@ -31,8 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-_LENGTH = struct.Struct("<Q")
+LENGTH = struct.Struct("<Q")
 _SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the child must not import from the caller's cwd
+_ZYGOTE_MODULE = f"{__package__}.grammar_zygote"  # the zygote's main module (the children's side)
 # Starting the zygote imports torch: seconds, more on a loaded machine. Not counted against any constraint.
 START_TIMEOUT_S = 120.0
 
@@ -68,20 +70,21 @@ def compile_source(compiler, method: str, text: str, any_whitespace: bool):
     raise ValueError(f"unknown grammar source {method!r}")
 
 
-# ---- framing -----------------------------------------------------------------------------------------
-def _send(sock: socket.socket, message: object) -> None:
+# ---- framing (both sides) ----------------------------------------------------------------------------
+def send_message(sock: socket.socket, message: object) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     sock.settimeout(None)  # a timeout left from the last read must not cut a write short
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    sock.sendall(LENGTH.pack(len(data)) + data)
 
 
-def _receive(sock: socket.socket, deadline: float | None = None) -> object:
+def receive_message(sock: socket.socket, deadline: float | None = None) -> object:
     """The next message; ConnectionError at end-of-file, TimeoutError past `deadline` (time.monotonic)."""
-    (length,) = _LENGTH.unpack(_read(sock, _LENGTH.size, deadline))
-    return pickle.loads(_read(sock, length, deadline))
+    (length,) = LENGTH.unpack(read_exact(sock, LENGTH.size, deadline))
+    return pickle.loads(read_exact(sock, length, deadline))
 
 
-def _read(sock: socket.socket, size: int, deadline: float | None) -> bytes:
+def read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes:
+    """`size` bytes; ConnectionError at end-of-file, TimeoutError past `deadline` (time.monotonic)."""
     chunks, remaining = [], size
     while remaining:
         if deadline is not None:
@@ -136,7 +139,7 @@ class WorkerPool:
         for attempt in range(2):
             worker = self._take()
             try:
-                _send(worker.sock, ("compile", method, text, any_whitespace))
+                send_message(worker.sock, ("compile", method, text, any_whitespace))
                 break
             except OSError:  # an idle worker that died meanwhile (killed by the system): try a fresh one
                 worker.close()
@@ -144,7 +147,7 @@ class WorkerPool:
                     return CheckResult("crashed", "its worker process ended")
         started = time.monotonic()
         try:
-            reply = _receive(worker.sock, started + time_limit)
+            reply = receive_message(worker.sock, started + time_limit)
         except TimeoutError:
             worker.kill()
             return CheckResult("timeout", seconds=time.monotonic() - started)
@@ -237,7 +240,7 @@ class _Zygote:
                 self._stop()
                 continue
             try:
-                _send(self._control, ("forget", key))
+                send_message(self._control, ("forget", key))
             except OSError:
                 self._stop()
 
@@ -245,7 +248,7 @@ class _Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, *_SAFE_PATH, "-m", __name__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                [sys.executable, *_SAFE_PATH, "-m", _ZYGOTE_MODULE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # stderr stays: a crash says why there
         except OSError as e:
             ours.close()
@@ -254,11 +257,11 @@ class _Zygote:
             theirs.close()
         self._control = ours
         self._keys.clear()
-        self._expect_ready(_receive(ours, time.monotonic() + START_TIMEOUT_S))
+        self._expect_ready(receive_message(ours, time.monotonic() + START_TIMEOUT_S))
 
     def _request(self, message: object) -> None:
-        _send(self._control, message)
-        self._expect_ready(_receive(self._control, time.monotonic() + START_TIMEOUT_S))
+        send_message(self._control, message)
+        self._expect_ready(receive_message(self._control, time.monotonic() + START_TIMEOUT_S))
 
     def _expect_ready(self, reply: object) -> None:
         if reply != ("ready",):
@@ -269,14 +272,14 @@ class _Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             data = pickle.dumps(("fork", key, max_threads), protocol=pickle.HIGHEST_PROTOCOL)
-            socket.send_fds(self._control, [_LENGTH.pack(len(data)) + data], [theirs.fileno()])
+            socket.send_fds(self._control, [LENGTH.pack(len(data)) + data], [theirs.fileno()])
         finally:
             theirs.close()
         try:
-            (pid,) = _receive(self._control, time.monotonic() + START_TIMEOUT_S)
+            (pid,) = receive_message(self._control, time.monotonic() + START_TIMEOUT_S)
             worker = _Worker(ours, pid)
             # The worker says when its own xgrammar compiler is made, so a time limit counts compiling only.
-            if _receive(ours, time.monotonic() + START_TIMEOUT_S) != ("ready",):
+            if receive_message(ours, time.monotonic() + START_TIMEOUT_S) != ("ready",):
                 raise ConnectionError("the worker did not start")
         except BaseException:
             ours.close()
@@ -299,122 +302,3 @@ class _Zygote:
 
 _ZYGOTE = _Zygote()
 _POOL_KEYS = itertools.count()
-
-
-# ---- the children's side -------------------------------------------------------------------------------
-def _zygote_main(control_fd: int) -> None:
-    control = socket.socket(fileno=control_fd)
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:  # a constraint that eats memory must cost the kernel's OOM killer a worker, not the server
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-    try:
-        import xgrammar as xgr
-    except Exception as e:
-        _send(control, ("error", f"cannot import xgrammar: {type(e).__name__}: {e}"))
-        return
-    _send(control, ("ready",))
-    tokenizers = {}  # pool key -> xgr.TokenizerInfo
-    # Workers are reaped here, never left to init: in a container the server itself may be process 1, and it
-    # reaps no strangers. Until reaped a worker's pid cannot be reused, so the parent may still kill it.
-    workers: set[int] = set()
-    try:
-        while True:
-            try:  # every message's first bytes come with the new worker's socket, if it has one
-                header, fds, _, _ = socket.recv_fds(control, _LENGTH.size, 1)
-                if not header:
-                    return  # the parent has gone
-                (length,) = _LENGTH.unpack(header + _read(control, _LENGTH.size - len(header), None))
-                message = pickle.loads(_read(control, length, None))
-            except (OSError, ConnectionError):
-                return
-            _reap(workers, block=False)
-            if message[0] == "tokenizer":
-                try:
-                    tokenizers[message[1]] = xgr.TokenizerInfo.deserialize_json(message[2])
-                except Exception as e:
-                    _send(control, ("error", f"cannot load the tokenizer: {type(e).__name__}: {e}"))
-                    continue
-                _send(control, ("ready",))
-            elif message[0] == "forget":
-                tokenizers.pop(message[1], None)
-            elif message[0] == "fork" and fds:
-                zygote = os.getpid()
-                pid = os.fork()
-                if pid == 0:
-                    code = 1
-                    try:
-                        control.close()
-                        _die_with(zygote)
-                        _worker_main(socket.socket(fileno=fds[0]), tokenizers[message[1]], message[2])
-                        code = 0
-                    finally:
-                        os._exit(code)  # never return into the zygote's loop
-                workers.add(pid)
-                os.close(fds[0])
-                _send(control, (pid,))
-    finally:  # the parent has gone or let us go: so do the workers, a busy one included
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _reap(workers, block=True)
-
-
-def _reap(workers: set[int], block: bool) -> None:
-    """Collects the workers that have exited (all of them, waiting, with `block`)."""
-    for pid in list(workers):
-        try:
-            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done:
-            workers.discard(pid)
-
-
-def _die_with(parent: int) -> None:
-    """Has the kernel kill this process when `parent` (the zygote, which exits once the server is gone) ends, so
-    a worker busy with a long compilation does not outlive the server."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it ended before the call
-        os._exit(1)
-
-
-def _worker_main(sock: socket.socket, tokenizer_info, max_threads: int) -> None:
-    import xgrammar as xgr
-
-    compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
-    _send(sock, ("ready",))
-    while True:
-        try:
-            _, method, text, any_whitespace = _receive(sock)
-        except ConnectionError:
-            return
-        started = time.perf_counter()
-        try:
-            grammar = compile_source(compiler, method, text, any_whitespace)
-        except Exception as e:  # xgrammar raises RuntimeError (and sometimes ValueError) for bad input
-            _send(sock, ("invalid", str(e) or type(e).__name__, time.perf_counter() - started))
-            continue
-        seconds = time.perf_counter() - started
-        # Nothing allowed at the start (a rule or $ref that only reaches itself): the sampler would see an empty
-        # mask. Stop tokens are in the mask where the grammar may end, so an empty mask also means it cannot end.
-        matcher = xgr.GrammarMatcher(grammar)
-        bitmask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)  # [1, W] int32
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        empty = not bool(bitmask.any()) and not matcher.is_completed()
-        _send(sock, ("empty" if empty else "ok", "", seconds))
-
-
-if __name__ == "__main__":
-    _zygote_main(int(sys.argv[1]))
-    os._exit(0)  # nothing to tidy up, and tearing down torch's modules takes a second

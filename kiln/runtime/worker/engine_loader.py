@@ -33,6 +33,7 @@ from kiln.quant.spec import QuantSpec
 from kiln.runtime.options import RuntimeOptions, runtime_options
 from kiln.runtime.worker.kernel_settings import install_kernel_settings
 from kiln.runtime.worker.kernel_store import install_engine_kernels
+from kiln.runtime.worker.weight_reader import read_weights
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -55,6 +56,7 @@ class RuntimeConfig:
     # Schedule each step before the one in flight is read back, its tokens fed on the device (engine.py);
     # None: where that overlaps work (CUDA), False: never, True: wherever the executor can (tests on the CPU).
     async_scheduling: bool | None = None
+    capacity_scheduler_policy: str = "max_utilization"  # runtime/core/capacity.py
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -85,8 +87,20 @@ def load_engine_info(engine_dir: str | Path, *, verify_checksums: bool = True, t
     With `verify_checksums` (the default) every file's sha256 is checked against the manifest, hashing
     only files that changed since they last matched; False checks sizes only. `tokenizer=False` skips
     loading it (a tensor-parallel worker rank never detokenizes)."""
+    return engine_info(open_engine_spec(engine_dir, verify_checksums=verify_checksums), tokenizer=tokenizer)
+
+
+def open_engine_spec(engine_dir: str | Path, *, verify_checksums: bool = True,
+                     sha256_by_caller: bool = False) -> EngineSpec:
+    """`load_engine_info`'s first half: engine.json and the manifest's sizes (and sha256s, unless
+    `sha256_by_caller`: then the caller hashes them in the background, see `verify.start_verification`,
+    while `engine_info` and the loading go on)."""
     _check_not_a_checkpoint(Path(engine_dir))
-    spec = load_engine_spec(engine_dir, verify_checksums=verify_checksums)
+    return load_engine_spec(engine_dir, verify_checksums=verify_checksums, sha256_by_caller=sha256_by_caller)
+
+
+def engine_info(spec: EngineSpec, *, tokenizer: bool = True) -> EngineInfo:
+    """`load_engine_info`'s second half: the typed configs and the tokenizer of a checked `spec`."""
     hint = f"rebuild the engine with `kiln build --checkpoint ... --output {spec.engine_dir}`"
     try:
         model_def = get_model_def(spec.architecture)
@@ -212,7 +226,8 @@ def resolve_runtime(info: EngineInfo, options: RuntimeOptions | None = None, /, 
         max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=options.num_kv_blocks,
         enable_prefix_caching=options.enable_prefix_caching,
         kv_cache_memory_fraction=options.kv_cache_memory_fraction, cuda_graphs=options.cuda_graphs,
-        kv_cache_dtype=build.kv_cache_torch_dtype, async_scheduling=options.async_scheduling)
+        kv_cache_dtype=build.kv_cache_torch_dtype, async_scheduling=options.async_scheduling,
+        capacity_scheduler_policy=options.capacity_scheduler_policy)
 
 
 def engine_quant_config(info: EngineInfo) -> QuantConfig | None:
@@ -241,10 +256,12 @@ def load_network(info: EngineInfo, device: torch.device, rank: int = 0, comm: TP
         draw_dummy_weights(model, seed=0, device=device)
         logger.info("drew dummy weights for rank %d on %s (the engine holds no weight files)", rank, device)
         return model.eval()
-    try:
-        weights = load_file(str(path), device=str(device))
+    start = time.perf_counter()
+    try:  # on the CPU load_file's tensors map the file, which costs nothing at startup
+        weights = read_weights(path, device) if device.type == "cuda" else load_file(str(path), device=str(device))
     except Exception as e:  # safetensors raises its own error types
         raise EngineError(f"cannot read {path}: {e}; rebuild the engine") from e
+    logger.debug("read %s onto %s in %.2fs", path, device, time.perf_counter() - start)
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as e:

@@ -89,7 +89,7 @@ async def detokenize(service: EngineService, body: dict) -> dict:
     _check_fields(body, _DETOKENIZE_FIELDS)
     check_model(body, service)
     tokens = body.get("tokens")
-    vocab = service.llm.engine.model_config.vocab_size
+    vocab = service.llm.vocab_size
     if not isinstance(tokens, list):
         raise InvalidRequest(f"tokens={shown(tokens)} is invalid: must be a list of token ids", "tokens")
     tokenizer = _tokenizer(service, "tokens")

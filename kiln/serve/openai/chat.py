@@ -9,6 +9,8 @@ presents the calls). `response_format` and vLLM's guided_* fields constrain the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.sampling_params import MAX_TOP_LOGPROBS
 from kiln.serve.client_json import check_values
@@ -30,7 +32,7 @@ _CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "log
 
 def tool_call_parser(config: ServeConfig, service: EngineService) -> str:
     """--tool-call-parser, else the format of the engine's architecture."""
-    return config.tool_call_parser or default_parser(service.llm.engine.info.spec.architecture)
+    return config.tool_call_parser or default_parser(service.llm.architecture)
 
 
 def chat_messages(messages) -> list[dict]:
@@ -86,6 +88,23 @@ def chat_prompt(service: EngineService, chat_template: str | None, messages: lis
         raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
     bos = tokenizer.bos_token
     return list(tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
+
+
+def chat_template_source(config: ServeConfig, tokenizer) -> str:
+    """Which template /v1/chat/completions renders, for the startup line: the --chat-template file, the engine's
+    own (copied from the checkpoint's tokenizer files by `kiln build`), or none (chat is off, and the flag that
+    turns it on)."""
+    if tokenizer is None:
+        return "none: this engine has no tokenizer, so it cannot serve chat (/v1/completions takes token ids)"
+    if config.chat_template:
+        return f"the file given by --chat-template ({config.chat_template_file or 'ServeConfig.chat_template'})"
+    if getattr(tokenizer, "chat_template", None):
+        folder = Path(config.engine_dir) / "tokenizer"
+        where = next((f"tokenizer/{name}" for name in ("chat_template.jinja", "chat_template.json",
+                                                       "tokenizer_config.json") if (folder / name).is_file()), None)
+        return f"the engine's own ({where})" if where else "the engine's own"
+    return ("none: /v1/chat/completions answers 400 until the server is started with `--chat-template FILE` (a "
+            "Jinja template)")
 
 
 def _max_chat_tokens(service: EngineService, num_prompt_tokens: int) -> int:
@@ -144,7 +163,7 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     choices = [Choice(j, token_ids, p, j == 0, keep_stop=keep_stop)
                for j, p in enumerate(common.seeded_choices(params, n, names))]
     tokenizer = service.tokenizer
-    eos = service.llm.engine.eos_token_ids
+    eos = service.llm.eos_token_ids
 
     def logprobs(token_ids, lps, tops) -> dict | None:
         return chat_logprobs(tokenizer, token_ids, lps, tops) if want_logprobs else None

@@ -8,8 +8,8 @@ generated ones, as vLLM's does; `max_tokens: 0` (only with `echo`) returns the p
 
 from __future__ import annotations
 
+from kiln.runtime import Prompt
 from kiln.runtime.core.outputs import RequestOutput
-from kiln.runtime.engine.engine import Prompt
 from kiln.serve.client_json import check_values, shown
 from kiln.serve.engine_service import Delta, EngineService
 from kiln.serve.errors import InvalidRequest
@@ -121,7 +121,7 @@ async def completion_job(service: EngineService, body: dict, limits: RequestLimi
         for j, choice_params in enumerate(seeded_choices(params, n, names)):
             choices.append(Choice(i * n + j, token_ids, choice_params, j == 0, echoed, max_tokens == 0, keep_stop))
     builders: dict[int, CompletionLogprobs] = {}  # per choice, while it streams
-    eos = service.llm.engine.eos_token_ids
+    eos = service.llm.eos_token_ids
 
     def text_and_logprobs(choice: Choice, out: RequestOutput, text: str, token_ids, lps, tops, first: bool):
         """What a piece of a choice adds: its text and its logprobs object (None unless asked); `first`: the

@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kiln.runtime import Prompt
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.sampling_params import SamplingParams
-from kiln.runtime.engine.engine import Prompt
 from kiln.serve.client_json import shown
 from kiln.serve.engine_service import Delta, EngineService
 from kiln.serve.errors import InvalidRequest, NotFound

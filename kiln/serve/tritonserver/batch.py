@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import Collection
 
-from kiln.runtime.engine.engine import Prompt
+from kiln.runtime import Prompt
 from kiln.serve.engine_service import EngineService
 from kiln.serve.errors import RequestError
 from kiln.serve.guided_request import TRITON_GUIDE_LABEL

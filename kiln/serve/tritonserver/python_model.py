@@ -2,12 +2,13 @@
 
 Triton runs it in the Python backend's stub process, where `triton_python_backend_utils` exists (kiln's tests
 use a stand-in, tests/triton_stub, and a real Triton in tests/test_triton_server.py). Before importing numpy
-and kiln it puts the directories recorded in kiln_env.json first on sys.path (see kiln.serve.tritonserver.repository);
+and kiln it puts the directories recorded in kiln_env.json first on sys.path (see kiln.serve.tritonserver.repository),
+then imports kiln from the package directory recorded there, whatever the server's working directory (_import_kiln);
 `initialize` refuses numpy 2 (stubs built for numpy 1 crash on BYTES inputs; the parameter allow_numpy2=true
 overrides), a kiln other than the repository's writer, and an engine this kiln cannot read. The model is
 decoupled: `execute` parses each
 request (the tensors of kiln.serve.tritonserver.schema, named as in TensorRT-LLM's Triton ensemble), hands its
-rows to the engine thread (kiln.serve.tritonserver.engine_loop) and returns None; the responses follow through
+rows to the relay (kiln.serve.tritonserver.relay, which generates through AsyncLLM) and returns None; the responses follow through
 each request's response sender:
 - stream=true (one row per request): a response per new piece of text, never the prompt; the last one
   carries TRITONSERVER_RESPONSE_COMPLETE_FINAL (or the flag comes alone when the last step added no text);
@@ -22,6 +23,7 @@ final flag; a request whose client cancelled is aborted, freeing its KV blocks.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import site
@@ -46,19 +48,54 @@ def _recorded_environment() -> dict:
     return env
 
 
+def _import_kiln(env: dict):
+    """kiln from its package directory recorded in kiln_env.json (`kiln_dir`), whatever the working directory.
+
+    Triton's Python backend puts its working directory on sys.path, so a plain `import kiln` in a server
+    started from a folder holding a `kiln/` directory (the folder above a clone named kiln, say) imports that
+    folder instead: a namespace package, found before an editable install's finder, which comes after
+    sys.path. Where nothing is recorded (`--no-site-path`) or the recorded directory is absent (another
+    machine, a container), working-directory entries whose `kiln` is not a package are dropped from
+    sys.path before the plain import. Says on stderr (the server's log) which kiln it loaded."""
+    recorded = env.get("kiln_dir")
+    init = os.path.join(recorded, "__init__.py") if recorded else ""
+    if "kiln" not in sys.modules and os.path.isfile(init):
+        spec = importlib.util.spec_from_file_location("kiln", init, submodule_search_locations=[recorded])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kiln"] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop("kiln", None)
+            raise
+    else:
+        cwd = os.getcwd()
+        shadowed = os.path.isdir(os.path.join(cwd, "kiln")) and not os.path.isfile(os.path.join(cwd, "kiln",
+                                                                                                "__init__.py"))
+        if shadowed:
+            sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != cwd]
+    import kiln
+
+    if getattr(kiln, "__file__", None) is None:  # a folder named kiln without __init__.py, found on sys.path
+        raise ImportError(f"'kiln' is the folder {', '.join(getattr(kiln, '__path__', []))}, not the kiln package")
+    print(f"kiln's Triton model: kiln {kiln.__version__} from {os.path.dirname(os.path.abspath(kiln.__file__))}",
+          file=sys.stderr, flush=True)
+    return kiln
+
+
 RECORDED = _recorded_environment()
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 try:
-    import kiln
+    kiln = _import_kiln(RECORDED)
     from kiln.engine_format import EngineError, load_engine_spec
     from kiln.runtime.core.outputs import RequestOutput
     from kiln.serve.errors import InvalidRequest
     from kiln.serve.limits import default_max_prompt_chars
     from kiln.serve.prompt_work import LARGE_TEXT_CHARS, release_memory
-    from kiln.serve.tritonserver.engine_loop import EngineLoop
+    from kiln.serve.tritonserver.relay import Relay
     from kiln.serve.tritonserver.repository import BackendParameters
     from kiln.serve.tritonserver.request import (
         TritonRequest,
@@ -118,13 +155,13 @@ class TritonPythonModel:
         params = BackendParameters.from_strings(
             {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()})
         check_environment(config, params.engine_dir)
-        engine = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
-        self.loop = EngineLoop(engine, params.batch_scheduler_policy)
+        self.llm = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
+        self.relay = Relay(self.llm)
         # A text_input over this is refused before it is tokenized (kiln serve's --max-prompt-chars).
-        self.max_prompt_chars = params.max_prompt_chars or default_max_prompt_chars(engine.runtime.max_seq_len)
+        self.max_prompt_chars = params.max_prompt_chars or default_max_prompt_chars(self.llm.max_seq_len)
 
     def execute(self, requests: list) -> None:
-        """Submits every request to the engine thread and returns at once (in-flight batching: they join
+        """Submits every request to the relay and returns at once (in-flight batching: they join
         the running batch at its next step)."""
         for request in requests:
             sender = request.get_response_sender()
@@ -140,10 +177,10 @@ class TritonPythonModel:
                 if len(rows) > 1 and any(row.stream for row in rows):
                     raise InvalidRequest("stream=true takes one prompt per request (batch size 1)", "stream")
                 sink = _StreamSink(sender, names) if rows[0].stream else _WholeSink(sender, rows, names)
-                self.loop.submit(self._token_ids(rows), [row.params for row in rows], sink)
+                self.relay.submit(self._token_ids(rows), [row.params for row in rows], sink)
             except InvalidRequest as e:
                 sender.send(error_response(e.message, "INVALID_ARG"), flags=FINAL)
-            except RuntimeError as e:  # the engine thread has stopped
+            except RuntimeError as e:  # the engine has stopped
                 sender.send(error_response(str(e), "UNAVAILABLE"), flags=FINAL)
         return None
 
@@ -154,8 +191,8 @@ class TritonPythonModel:
         token_ids = []
         for i, row in enumerate(rows):
             try:
-                token_ids.append(self.loop.engine.tokenize(row.prompt))
-                self.loop.engine.check_fits(len(token_ids[-1]), row.params)  # nor walks a prompt it would refuse
+                token_ids.append(self.llm.tokenize(row.prompt))
+                self.llm.check_fits(len(token_ids[-1]), row.params)  # nor walks a prompt it would refuse
             except ValueError as e:
                 raise InvalidRequest(str(e) if len(rows) == 1 else f"batch row {i}: {e}", "text_input") from None
         if sum(len(row.prompt) for row in rows) >= LARGE_TEXT_CHARS:
@@ -163,8 +200,9 @@ class TritonPythonModel:
         return token_ids
 
     def finalize(self) -> None:
-        """Aborts every request (each gets an error response with the final flag) and stops the engine thread."""
-        self.loop.stop()
+        """Aborts every request (each gets an error response with the final flag) and stops the engine."""
+        self.relay.stop()
+        self.llm.shutdown()
 
 
 def instance_device(args: dict, params: BackendParameters) -> str:
@@ -178,23 +216,25 @@ def instance_device(args: dict, params: BackendParameters) -> str:
 
 
 def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int | None):
-    """The LLMEngine; its KV cache takes kv_cache_free_gpu_mem_fraction of the memory left free once the
+    """The engine, as an AsyncLLM (its own engine thread); its KV cache takes kv_cache_free_gpu_mem_fraction of the memory left free once the
     weights are loaded and one step's activations measured (TensorRT-LLM's meaning, kiln's
     --kv-cache-memory-fraction). On the CPU the cache holds max_batch_size sequences of max_seq_len, within
     that share of available host memory."""
-    from kiln.runtime.engine.factory import create_engine
+    from kiln.runtime import AsyncLLM
 
-    return create_engine(params.engine_dir, runtime_options_of(params, device, max_batch_size))
+    return AsyncLLM(params.engine_dir, options=runtime_options_of(params, device, max_batch_size))
 
 
 def runtime_options_of(params: BackendParameters, device: str, max_batch_size: int | None):
     """The RuntimeOptions config.pbtxt asks for: its `max_batch_size`, the instance's device, and the parameters
-    under TensorRT-LLM's names (enable_kv_cache_reuse, kv_cache_free_gpu_mem_fraction); the rest are defaults."""
-    from kiln.runtime.options import RuntimeOptions
+    under TensorRT-LLM's names (enable_kv_cache_reuse, kv_cache_free_gpu_mem_fraction, batch_scheduler_policy);
+    the rest are defaults."""
+    from kiln.runtime import RuntimeOptions
 
     return RuntimeOptions(device=device, max_batch_size=max_batch_size,
                           enable_prefix_caching=params.enable_kv_cache_reuse,
-                          kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction)
+                          kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction,
+                          capacity_scheduler_policy=params.batch_scheduler_policy)
 
 
 def error_response(message: str, code: str):
@@ -215,7 +255,7 @@ def _response(arrays: dict[str, np.ndarray]):
 
 
 class _Sink:
-    """One Triton request's way back: its response sender (used on the engine thread only)."""
+    """One Triton request's way back: its response sender (used on the relay's thread only)."""
 
     def __init__(self, sender, names: list[str]) -> None:
         self.sender = sender

@@ -6,7 +6,8 @@
     REPO/NAME/1/kiln_env.json  where model.py finds kiln: `python_path`, directories it adds to the front of
                              the backend interpreter's sys.path before importing numpy and kiln (the
                              --python-path directories, then the site directories of the Python that wrote
-                             the repository, .pth files included), and `kiln_version`, the kiln that wrote it
+                             the repository, .pth files included), `kiln_version`, the kiln that wrote it,
+                             and `kiln_dir`, its package directory, which model.py imports kiln from
 
 `tritonserver --model-repository REPO` then serves the engine under NAME.
 """
@@ -27,7 +28,7 @@ from kiln.engine_format import load_engine_spec
 from kiln.engine_format.staging import staged_directory
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
-MODEL_SOURCE = Path(__file__).with_name("triton_python_model.py")
+MODEL_SOURCE = Path(__file__).with_name("python_model.py")
 ENV_FILE = "kiln_env.json"  # beside model.py
 # Triton takes the model's directory name as its name; keep it to characters every URL and file system takes.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -41,7 +42,7 @@ class BackendParameters:
     Names and meanings follow TensorRT-LLM's Triton backend: `enable_kv_cache_reuse` is kiln's prefix cache;
     `kv_cache_free_gpu_mem_fraction` is the share of the memory left free after the weights and one step's
     activations that the KV cache takes (the runtime's kv_cache_memory_fraction);
-    `batch_scheduler_policy` says when a request may enter the running batch (see triton_engine_loop).
+    `batch_scheduler_policy` says when a request may enter the running batch (RuntimeOptions.capacity_scheduler_policy, runtime/core/capacity.py).
     `max_prompt_chars` is kiln's (kiln serve's --max-prompt-chars): the characters one text_input may hold,
     checked before it is tokenized (absent: serve/limits.py's default_max_prompt_chars for the engine).
     """
@@ -127,6 +128,14 @@ def site_directories() -> list[str]:
     return [d for i, d in enumerate(dirs) if d not in dirs[:i] and Path(d).is_dir()]
 
 
+def kiln_package_dir() -> str:
+    """The directory of the kiln package that writes the repository (site-packages/kiln, or a clone's kiln/ for
+    an editable install): model.py imports kiln from there, whatever folder tritonserver was started in."""
+    import kiln
+
+    return str(Path(kiln.__file__).resolve().parent)
+
+
 def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: str | None = None,
                      max_batch_size: int | None = None, batch_scheduler_policy: str = "max_utilization",
                      kv_cache_free_gpu_mem_fraction: float = 0.9, enable_kv_cache_reuse: bool = True,
@@ -137,7 +146,8 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
     for a directory that is not a kiln engine and ValueError for anything else it refuses.
 
     `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
-    this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path."""
+    this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path, and
+    imports kiln from this kiln's package directory (also recorded with `record_site`)."""
     import kiln
 
     extra = []
@@ -180,8 +190,9 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
         (staging / "config.pbtxt").write_text(_config_text(name, max_batch_size, kind, params, engine_dir))
         (staging / "1").mkdir()
         shutil.copyfile(MODEL_SOURCE, staging / "1" / "model.py")
-        (staging / "1" / ENV_FILE).write_text(json.dumps(
-            {"python_path": list(paths), "kiln_version": kiln.__version__}, indent=2) + "\n")
+        recorded = {"python_path": list(paths), "kiln_version": kiln.__version__,
+                    "kiln_dir": kiln_package_dir() if record_site else None}
+        (staging / "1" / ENV_FILE).write_text(json.dumps(recorded, indent=2) + "\n")
     return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind, paths)
 
 

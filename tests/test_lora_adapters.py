@@ -7,7 +7,6 @@ PEFT's per-module LoRA products laid side by side, whole and as tensor-parallel 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from lora_util import make_adapter
 from model_factory import make_checkpoint, read_config
 from safetensors.torch import load_file, save_file
 
@@ -46,18 +46,6 @@ def bundled():
     raw = json.loads((BUNDLED / "config.json").read_text())
     model = transformers.AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
     return model, model_def_for_hf_config(raw).parse_config(raw)
-
-
-def make_adapter(base, out: Path, seed: int = 0, safe: bool = True, **lora):
-    """A PEFT adapter over a copy of `base` with random lora_B, saved to `out`; returns (out, PeftModel)."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**lora))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(param, std=0.05)
-    model.save_pretrained(out, safe_serialization=safe)
-    return out, model
 
 
 def peft_delta(model, layer: int, fused: str, x: torch.Tensor) -> torch.Tensor:

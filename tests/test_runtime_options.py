@@ -23,10 +23,12 @@ from kiln.serve.tritonserver.repository import BackendParameters
 # A value other than the default for every field, and the flags that ask for the same.
 NON_DEFAULT = dict(device="cpu", max_batch_size=2, max_num_tokens=48, num_kv_blocks=9, enable_prefix_caching=False,
                    kv_cache_memory_fraction=0.5, cuda_graphs=False, async_scheduling=True, verify_checksums=False,
-                   capacity_scheduler_policy="guaranteed_no_evict", speculative_config=SpeculativeConfig("ngram", 3))
+                   capacity_scheduler_policy="guaranteed_no_evict", speculative_config=SpeculativeConfig("ngram", 3),
+                   enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
 FLAGS = ["--device", "cpu", "--max-batch-size", "2", "--max-num-tokens", "48", "--num-kv-blocks", "9",
          "--no-enable-prefix-caching", "--kv-cache-memory-fraction", "0.5", "--no-cuda-graphs", "--async-scheduling",
-         "--no-verify-checksums", "--capacity-scheduler-policy", "guaranteed_no_evict", "--speculative-mode", "ngram", "--num-speculative-tokens", "3"]
+         "--no-verify-checksums", "--capacity-scheduler-policy", "guaranteed_no_evict", "--speculative-mode", "ngram", "--num-speculative-tokens", "3",
+         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3"]
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kiln.runtime.core.guided_decoding import GuidedDecoding
+    from kiln.runtime.core.lora_request import LoRARequest
     from kiln.runtime.core.outputs import RequestOutput
     from kiln.runtime.core.request_checks import Prompt
     from kiln.runtime.core.sampling_params import SamplingParams
@@ -20,8 +21,10 @@ if TYPE_CHECKING:
 
 _PUBLIC = {"LLM": ".engine.llm", "AsyncLLM": ".engine.async_llm", "RequestOutput": ".core.outputs",
            "SamplingParams": ".core.sampling_params", "GuidedDecoding": ".core.guided_decoding",
-           "RuntimeOptions": ".options", "Prompt": ".core.request_checks"}
-__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions", "Prompt"]
+           "RuntimeOptions": ".options", "Prompt": ".core.request_checks",
+           "LoRARequest": ".core.lora_request"}
+__all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions", "Prompt",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -73,8 +73,19 @@ class RuntimeOptions:
     """Speculative decoding: a SpeculativeConfig, or its fields as a dict (vLLM's form), e.g.
     `{"method": "ngram", "num_speculative_tokens": 4}`; stored as a SpeculativeConfig. None: off."""
 
+    enable_lora: bool = _option(False, "serve LoRA adapters (LLM.generate(..., lora_request=LoRARequest(...)))")
+    """Accept LoRA adapters (Hugging Face PEFT directories) per request; off: a lora_request is refused."""
+    max_loras: int = _option(4, "LoRA adapters held on the device at once (and the most one step mixes)", type=int)
+    """Device slots for adapters: the most distinct adapters one step runs (more wait for a later step)."""
+    max_lora_rank: int = _option(16, "largest LoRA rank served (a larger adapter is refused)", type=int)
+    """The largest adapter rank; every slot is sized for it."""
+    max_cpu_loras: int | None = _option(None, "LoRA adapters kept read in host memory (default: 2 * max_loras)",
+                                        type=int)
+    """Adapters kept in host memory (LRU) once read from disk; None: 2 * max_loras. At least max_loras."""
+
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_tokens", "num_kv_blocks"):
+        for name in ("max_batch_size", "max_num_tokens", "num_kv_blocks", "max_loras", "max_lora_rank",
+                     "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -94,6 +105,9 @@ class RuntimeOptions:
             raise ValueError(f"capacity_scheduler_policy={self.capacity_scheduler_policy!r} must be one of "
                              f"{', '.join(CAPACITY_POLICIES)}")
         object.__setattr__(self, "speculative_config", speculative_config_of(self.speculative_config))
+        object.__setattr__(self, "enable_lora", bool(self.enable_lora))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RuntimeOptions))

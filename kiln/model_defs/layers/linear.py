@@ -116,10 +116,17 @@ class Linear(nn.Module):
         self.parallel = parallel
         self.method = method
         method.create(self, in_features, out_features, bias)
+        # hook(x, y) adding to this rank's output in place before the collective (the runtime's LoRA slots,
+        # runtime/worker/lora_slots.py); None: nothing is added.
+        self.lora_hook: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         # x: [T, in] -> [T, out]; an Fp8Input only reaches a layer whose method accepts it (fp8_consumer).
         y = self.method.apply_fp8(self, x) if isinstance(x, Fp8Input) else self.method.apply(self, x)
+        if self.lora_hook is not None:
+            if isinstance(x, Fp8Input):
+                raise NotImplementedError(f"{self.prefix}: LoRA adapters on FP8-input layers are not supported")
+            self.lora_hook(x, y)
         return y if self.collective is None else self.collective(y)
 
     def extra_repr(self) -> str:

@@ -37,6 +37,12 @@ class CachedPrefix:
     num_tokens: int = 0
 
 
+def _first_parent(lora_int_id: int) -> bytes | None:
+    """The chain's start: none for the base model, the adapter's id otherwise, so that two adapters (whose KV
+    differ for the same tokens) never share a block."""
+    return None if not lora_int_id else b"lora:%d" % lora_int_id
+
+
 def _chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     # sha256 rather than Python's hash(): a collision would silently serve another prompt's KV.
     h = hashlib.sha256(parent or b"")
@@ -85,14 +91,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- verbs ---------------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
-        """Longest run of cached full blocks that `token_ids` starts with. It never covers the last token,
-        whose logits the request still has to compute."""
+    def find_cached_prefix(self, token_ids: Sequence[int], lora_int_id: int = 0) -> CachedPrefix:
+        """Longest run of cached full blocks that `token_ids` starts with, computed with LoRA adapter
+        `lora_int_id` (0: the base model). It never covers the last token, whose logits the request still has
+        to compute."""
         if not self.enable_prefix_caching:
             return CachedPrefix()
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
-        parent: bytes | None = None
+        parent = _first_parent(lora_int_id)
         for i in range(max_blocks):
             parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._cached.get(parent)
@@ -140,16 +147,18 @@ class BlockManager:
             table.append(block_id)
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          lora_int_id: int = 0) -> None:
         """Registers the request's blocks that `num_computed_tokens` has completely filled. `token_ids` are
-        the request's accepted tokens; a computed position past them (a draft) is never hashed."""
+        the request's accepted tokens; a computed position past them (a draft) is never hashed.
+        `lora_int_id`: the adapter the request runs with (0: the base model), part of every block's hash."""
         if not self.enable_prefix_caching:
             return
         num_computed_tokens = min(num_computed_tokens, len(token_ids))
         table = self._tables.get(request_id, [])
         hashes = self._hashes.setdefault(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else _first_parent(lora_int_id)
         for i in range(len(hashes), num_full):
             parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(parent)

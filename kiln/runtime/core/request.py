@@ -45,6 +45,8 @@ class Request:
     # Tokens a proposer guessed to follow (speculative decoding): the next step computes them after the last
     # token and samples every position, and only the prefix the target agrees with is kept.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (LoRARequest.lora_int_id); 0: the base model.
+    lora_int_id: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -27,9 +27,11 @@ from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
 class SchedulerLimits:
     max_batch_size: int
     max_num_tokens: int
+    # The most distinct LoRA adapters one step may run (the worker's device slots); None: no limit.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_num_tokens < 1:
+        if self.max_batch_size < 1 or self.max_num_tokens < 1 or (self.max_loras is not None and self.max_loras < 1):
             raise ValueError(f"limits must be >= 1: {self}")
 
 
@@ -48,6 +50,7 @@ class ScheduledRequest:
     # How many of this step's last positions are sampled: 1 when the step reaches the end of the known
     # tokens, 0 for a prefill chunk that does not. A step verifying k draft tokens samples k + 1.
     num_sampled: int
+    lora_int_id: int = 0  # the LoRA adapter it runs with; 0: the base model
 
     @property
     def sample(self) -> bool:
@@ -119,12 +122,15 @@ class Scheduler:
         budget = self.limits.max_num_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        adapters: set[int] = set()  # the LoRA adapters this step runs (at most limits.max_loras)
 
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or request.request_id in finishing:
                 continue  # preempted earlier in this loop, or ending
             if budget == 0 or len(scheduled) == self.limits.max_batch_size:
                 break
+            if not self._adapter_fits(request, adapters):
+                continue  # its adapter waits for a step with a free slot
             # A decoding request's drafts (speculative decoding) are computed with its last token; the budget
             # may cut them short.
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids), budget)
@@ -137,18 +143,19 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             scheduled.append((request, num_new))
+            adapters.add(request.lora_int_id)
             budget -= num_new
 
         # Waiting requests start only if nobody was preempted this step (memory is known to be short).
         while self.waiting and not preempted and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             request = self.waiting[0]
-            if not self.policy.admits(request):
+            if not self.policy.admits(request) or not self._adapter_fits(request, adapters):
                 break  # first come, first served: nobody overtakes the head of the queue
             # A preempted request looks up its generated tokens too: its own blocks may still be cached.
             # Prompt logprobs need every prompt position computed, so those requests skip the cache.
             prefix = CachedPrefix()
             if not request.sampling_params.prompt_logprobs:
-                prefix = self.blocks.find_cached_prefix(request.all_token_ids)
+                prefix = self.blocks.find_cached_prefix(request.all_token_ids, request.lora_int_id)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if not self.blocks.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -161,12 +168,19 @@ class Scheduler:
             self.policy.started(request)
             self.running.append(request)
             scheduled.append((request, num_new))
+            adapters.add(request.lora_int_id)
             budget -= num_new
 
         return SchedulerOutput(
             requests=tuple(self._describe(r, n) for r, n in scheduled),
             preempted_ids=tuple(preempted),
         )
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether the step can run `request` beside the adapters it already runs (the base model is free)."""
+        limit = self.limits.max_loras
+        return limit is None or not request.lora_int_id or request.lora_int_id in adapters or \
+            len(adapters - {0}) < limit
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
@@ -181,6 +195,7 @@ class Scheduler:
             block_ids=self.blocks.block_table(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens,
             num_sampled=end - request.num_tokens + 1 if end >= request.num_tokens else 0,
+            lora_int_id=request.lora_int_id,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -229,7 +244,7 @@ class Scheduler:
             # The step's tokens end at the computed count the advance left (the next step is not advanced yet).
             end = request.num_computed_tokens
             if end // self.blocks.block_size > (end - len(item.token_ids)) // self.blocks.block_size:
-                self.blocks.cache_full_blocks(request.request_id, request.token_view(), end)
+                self.blocks.cache_full_blocks(request.request_id, request.token_view(), end, request.lora_int_id)
 
     def update_after_step(self, output: SchedulerOutput, accepted: Mapping[str, Sequence[int]]) -> None:
         """Advances each scheduled request past the tokens it computed and appends its accepted tokens.
@@ -253,4 +268,4 @@ class Scheduler:
                 self.blocks.trim(item.request_id, request.num_tokens)
             if request.num_computed_tokens // self.blocks.block_size > before // self.blocks.block_size:
                 self.blocks.cache_full_blocks(request.request_id, request.token_view(),
-                                              request.num_computed_tokens)
+                                              request.num_computed_tokens, request.lora_int_id)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,18 +36,28 @@ import torch
 from kiln.runtime.core.block_table import BlockTable
 from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.distributed.launch import RankLaunch
+from kiln.runtime.distributed.wire_checks import (
+    FORMAT_VERSION,
+    StepCodecError,
+    check_keys,
+    float_value,
+    int_list,
+    int_value,
+    load_message,
+    str_list,
+    where_greater,
+)
 from kiln.runtime.sampling.prompt_logprobs import PromptLogprobTarget
 from kiln.runtime.worker.engine_loader import RuntimeConfig
 from kiln.runtime.worker.model_step import StepInput
 
-FORMAT_VERSION = 1
 INT32_END = 2 ** 31  # token ids, block ids, positions and counts are below this (the runner packs them as int32)
 INT64_END = 2 ** 63  # block-table stamps
 # A stamp no step has used for this many steps is forgotten by encoder and decoders alike (the requests that
 # run are scheduled every step; one that sat out longer gets its table sent whole again).
 LEDGER_STEPS = 32
 _STEP_KEYS = frozenset({"kind", "v", "ids", "ntok", "tokens", "start", "nprompt", "nsampled", "stamp", "nblk",
-                        "have", "blocks", "preempted", "targets"})
+                        "have", "blocks", "preempted", "targets", "lora"})
 _STOP_KEYS = frozenset({"kind", "v"})
 _START_KEYS = frozenset({"kind", "v", "engine_dir", "runtime", "launch", "kv_cache_scales", "log_level"})
 # The wire form of each RuntimeConfig / RankLaunch field; a field added there without one here is refused by
@@ -57,15 +66,12 @@ _RUNTIME_FIELDS = {"device": "device", "dtype": "dtype", "max_batch_size": "int"
                    "max_seq_len": "int", "block_size": "int", "num_kv_blocks": "int?",
                    "enable_prefix_caching": "bool", "kv_cache_memory_fraction": "float", "cuda_graphs": "bool",
                    "kv_cache_dtype": "dtype?", "async_scheduling": "bool?",
-                   "capacity_scheduler_policy": "str"}
+                   "capacity_scheduler_policy": "str", "enable_lora": "bool", "max_loras": "int",
+                   "max_lora_rank": "int", "max_cpu_loras": "int"}
 _LAUNCH_FIELDS = {"rank": "int", "world_size": "int", "master_addr": "str", "master_port": "int",
                   "local_rank": "int", "local_world_size": "int", "external": "bool"}
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
 STOP = _DUMPS({"kind": "stop", "v": FORMAT_VERSION}).encode()
-
-
-class StepCodecError(ValueError):
-    """A message on the step channel that does not follow its schema (or a step that has no wire form)."""
 
 
 class _Ledger:
@@ -111,7 +117,7 @@ class StepEncoder:
             raise StepCodecError("a step with a TokenFeed cannot be sent to other ranks: its tokens are on rank "
                                  "0's device (a tensor-parallel executor does not accept token feeds)")
         requests = step.schedule.requests
-        ids, ntok, tokens, start, nprompt, nsampled, stamps, nblk, have, blocks = ([] for _ in range(10))
+        ids, ntok, tokens, start, nprompt, nsampled, stamps, nblk, have, blocks, lora = ([] for _ in range(11))
         held = self._ledger.tables
         sent: dict[int, int] = {}  # this step's ledger updates, applied once the message is made
         for r in requests:
@@ -121,6 +127,7 @@ class StepEncoder:
             start.append(r.start_position)
             nprompt.append(r.num_prompt_tokens)
             nsampled.append(r.num_sampled)
+            lora.append(r.lora_int_id)
             table = r.block_ids
             n = len(table)
             stamp = table.stamp if isinstance(table, BlockTable) else 0
@@ -144,7 +151,7 @@ class StepEncoder:
             data = _DUMPS({"kind": "step", "v": FORMAT_VERSION, "ids": ids, "ntok": ntok, "tokens": tokens,
                            "start": start, "nprompt": nprompt, "nsampled": nsampled, "stamp": stamps, "nblk": nblk,
                            "have": have, "blocks": blocks, "preempted": list(step.schedule.preempted_ids),
-                           "targets": targets}).encode()
+                           "targets": targets, "lora": lora}).encode()
         except (TypeError, ValueError) as e:  # e.g. a numpy integer among the token ids
             raise StepCodecError(f"step has a value with no JSON form: {e}") from None
         for stamp, n in sent.items():
@@ -164,32 +171,33 @@ class StepDecoder:
         JSON, a missing or unknown field, a value of the wrong type or out of range, columns of different
         lengths, a block table that does not continue what this rank holds. A decoder that raised may hold part
         of the failed step: a worker ends at its first error."""
-        message = _load(data, "step")
+        message = load_message(data, "step")
         kind = message.get("kind")
         if kind == "stop":
-            _check_keys(message, _STOP_KEYS, "stop message")
+            check_keys(message, _STOP_KEYS, "stop message")
             return None
         if kind != "step":
             raise StepCodecError(f"step channel: unknown message kind {kind!r} (expected 'step' or 'stop')")
-        _check_keys(message, _STEP_KEYS, "step")
-        ids = _str_list(message, "ids")
+        check_keys(message, _STEP_KEYS, "step")
+        ids = str_list(message, "ids")
         n = len(ids)
-        ntok = _int_list(message, "ntok", 1, INT32_END, n)
-        start = _int_list(message, "start", 0, INT32_END, n)
-        nprompt = _int_list(message, "nprompt", 0, INT32_END, n)
-        nsampled = _int_list(message, "nsampled", 0, INT32_END, n)
-        stamps = _int_list(message, "stamp", 0, INT64_END, n)
-        nblk = _int_list(message, "nblk", 0, INT32_END, n)
-        have = _int_list(message, "have", 0, INT32_END, n)
-        for i in _where_greater(have, nblk):
+        ntok = int_list(message, "ntok", 1, INT32_END, n)
+        start = int_list(message, "start", 0, INT32_END, n)
+        nprompt = int_list(message, "nprompt", 0, INT32_END, n)
+        nsampled = int_list(message, "nsampled", 0, INT32_END, n)
+        lora = int_list(message, "lora", 0, INT32_END, n)
+        stamps = int_list(message, "stamp", 0, INT64_END, n)
+        nblk = int_list(message, "nblk", 0, INT32_END, n)
+        have = int_list(message, "have", 0, INT32_END, n)
+        for i in where_greater(have, nblk):
             raise StepCodecError(f"step field 'have'[{i}]={have[i]} exceeds the table's {nblk[i]} blocks "
                                  f"('nblk'[{i}])")
-        for i in _where_greater(nsampled, ntok):
+        for i in where_greater(nsampled, ntok):
             raise StepCodecError(f"step field 'nsampled'[{i}]={nsampled[i]} exceeds the request's {ntok[i]} "
                                  f"tokens ('ntok'[{i}])")
-        tokens = _int_list(message, "tokens", 0, INT32_END, sum(ntok))
-        blocks = _int_list(message, "blocks", 0, INT32_END, sum(nblk) - sum(have))
-        preempted = _str_list(message, "preempted")
+        tokens = int_list(message, "tokens", 0, INT32_END, sum(ntok))
+        blocks = int_list(message, "blocks", 0, INT32_END, sum(nblk) - sum(have))
+        preempted = str_list(message, "preempted")
         targets = _targets(message["targets"])
         if len(set(ids)) != n:
             raise StepCodecError("step field 'ids': a request id appears twice")
@@ -221,7 +229,7 @@ class StepDecoder:
                     held.move_to_end(stamp)
             t_end = t + ntok[i]
             requests.append(ScheduledRequest(ids[i], tuple(tokens[t:t_end]), start[i],
-                                             BlockTable(ids_list, count, stamp), nprompt[i], nsampled[i]))
+                                             BlockTable(ids_list, count, stamp), nprompt[i], nsampled[i], lora[i]))
             t, b = t_end, b_end
         ledger.end_step()
         return StepInput(SchedulerOutput(tuple(requests), tuple(preempted)), targets)
@@ -240,8 +248,8 @@ def _targets(value: Any) -> dict[str, PromptLogprobTarget]:
             raise StepCodecError(f"step field {where}[0] (request id) must be a string, got {type(rid).__name__}")
         if rid in out:
             raise StepCodecError(f"step field {where}: request id {rid!r} appears twice")
-        token_ids = _int_list({"token_ids": token_ids}, "token_ids", 0, INT32_END, None, f"{where}[1]")
-        top_k = _int(top_k, 0, INT32_END, f"step field {where}[2] (top_k)")
+        token_ids = int_list({"token_ids": token_ids}, "token_ids", 0, INT32_END, None, f"{where}[1]")
+        top_k = int_value(top_k, 0, INT32_END, f"step field {where}[2] (top_k)")
         out[rid] = PromptLogprobTarget(token_ids, top_k)
     return out
 
@@ -261,11 +269,11 @@ def encode_start(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLau
 def decode_start(data: bytes) -> tuple[str, RuntimeConfig, RankLaunch, list[tuple[float, float]] | None, int]:
     """(engine_dir, runtime, launch, kv_cache_scales, log_level) from `encode_start`'s bytes; StepCodecError
     for anything else."""
-    message = _load(data, "start")
+    message = load_message(data, "start")
     if message.get("kind") != "start":
         raise StepCodecError(f"step channel: expected the worker's start message first, got kind "
                              f"{message.get('kind')!r}")
-    _check_keys(message, _START_KEYS, "start message")
+    check_keys(message, _START_KEYS, "start message")
     engine_dir = message["engine_dir"]
     if type(engine_dir) is not str:
         raise StepCodecError(f"start message field 'engine_dir' must be a string, got {type(engine_dir).__name__}")
@@ -275,9 +283,9 @@ def decode_start(data: bytes) -> tuple[str, RuntimeConfig, RankLaunch, list[tupl
     if scales is not None:
         if type(scales) is not list or any(type(p) is not list or len(p) != 2 for p in scales):
             raise StepCodecError("start message field 'kv_cache_scales' must be null or a list of [k, v] pairs")
-        scales = [(_float(k, "start message field 'kv_cache_scales'"),
-                   _float(v, "start message field 'kv_cache_scales'")) for k, v in scales]
-    return engine_dir, runtime, launch, scales, _int(message["log_level"], 0, 100, "start message field 'log_level'")
+        scales = [(float_value(k, "start message field 'kv_cache_scales'"),
+                   float_value(v, "start message field 'kv_cache_scales'")) for k, v in scales]
+    return engine_dir, runtime, launch, scales, int_value(message["log_level"], 0, 100, "start message field 'log_level'")
 
 
 def _encode_fields(config: object, schema: dict[str, str]) -> dict[str, object]:
@@ -302,7 +310,7 @@ def _encode_fields(config: object, schema: dict[str, str]) -> dict[str, object]:
 def _decode_fields(value: Any, schema: dict[str, str], what: str) -> dict[str, object]:
     if type(value) is not dict:
         raise StepCodecError(f"start message field '{what}' must be an object, got {type(value).__name__}")
-    _check_keys(value, frozenset(schema), f"start message field '{what}'")
+    check_keys(value, frozenset(schema), f"start message field '{what}'")
     out = {}
     for name, kind in schema.items():
         field, item = f"start message field '{what}.{name}'", value[name]
@@ -312,9 +320,9 @@ def _decode_fields(value: Any, schema: dict[str, str], what: str) -> dict[str, o
                 continue
             kind = kind[:-1]
         if kind == "int":
-            out[name] = _int(item, 0, INT32_END, field)
+            out[name] = int_value(item, 0, INT32_END, field)
         elif kind == "float":
-            out[name] = _float(item, field)
+            out[name] = float_value(item, field)
         elif kind == "bool":
             if type(item) is not bool:
                 raise StepCodecError(f"{field} must be true or false, got {item!r}")
@@ -337,69 +345,3 @@ def _decode_fields(value: Any, schema: dict[str, str], what: str) -> dict[str, o
                 raise StepCodecError(f"{field} must be 'cpu' or 'cuda[:N]', got {item!r}")
             out[name] = device
     return out
-
-
-# ---- checks --------------------------------------------------------------------------------------
-def _load(data: bytes, what: str) -> dict:
-    try:
-        message = json.loads(data)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise StepCodecError(f"step channel: the {what} message is not JSON ({type(e).__name__}: {e})"[:300]) from None
-    if type(message) is not dict:
-        raise StepCodecError(f"step channel: a message must be a JSON object, got {type(message).__name__}")
-    if message.get("v") != FORMAT_VERSION:
-        raise StepCodecError(f"step channel: message format {message.get('v')!r}, this rank reads "
-                             f"{FORMAT_VERSION} (every rank must run the same kiln version)")
-    return message
-
-
-def _check_keys(message: dict, expected: frozenset, what: str) -> None:
-    keys = message.keys()
-    if keys != expected:
-        extra, missing = sorted(keys - expected), sorted(expected - keys)
-        raise StepCodecError(f"{what}: " + "; ".join(
-            ([f"unexpected field(s) {extra}"] if extra else []) + ([f"missing field(s) {missing}"] if missing else [])))
-
-
-def _int_list(message: dict, name: str, low: int, high: int, length: int | None,
-              label: str | None = None) -> list[int]:
-    """message[name], checked to be a list of `length` ints in [low, high) (bools are not ints here). The
-    checks run in C; only a failure walks the list to name the bad element."""
-    value = message[name]
-    field = label or f"'{name}'"
-    if type(value) is not list:
-        raise StepCodecError(f"step field {field} must be a list of integers, got {type(value).__name__}")
-    if length is not None and len(value) != length:
-        raise StepCodecError(f"step field {field} has {len(value)} entries, expected {length}")
-    if value and (set(map(type, value)) != {int} or min(value) < low or max(value) >= high):
-        for i, item in enumerate(value):
-            _int(item, low, high, f"step field {field}[{i}]")
-    return value
-
-
-def _where_greater(a: list[int], b: list[int]) -> list[int]:
-    """The indices where a[i] > b[i] (the common case, none, in C)."""
-    if not any(map(int.__gt__, a, b)):
-        return []
-    return [i for i, (x, y) in enumerate(zip(a, b)) if x > y]
-
-
-def _int(value: Any, low: int, high: int, field: str) -> int:
-    if type(value) is not int:
-        raise StepCodecError(f"{field} must be an integer, got {type(value).__name__} {value!r}"[:200])
-    if not low <= value < high:
-        raise StepCodecError(f"{field}={value} is out of range [{low}, {high})")
-    return value
-
-
-def _float(value: Any, field: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise StepCodecError(f"{field} must be a finite number, got {type(value).__name__} {value!r}"[:200])
-    return float(value)
-
-
-def _str_list(message: dict, name: str) -> list[str]:
-    value = message[name]
-    if type(value) is not list or (value and set(map(type, value)) != {str}):
-        raise StepCodecError(f"step field '{name}' must be a list of strings")
-    return value

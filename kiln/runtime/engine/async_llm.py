@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.core.guided_decoding import GuidedDecoding
+from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request_checks import Prompt
 from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
@@ -81,7 +82,8 @@ class AsyncLLM:
         self.engine.check_fits(num_prompt_tokens, params)
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields outputs for one request as it advances (cumulative, or what is new with
         SamplingParams.output_kind "delta"); the last one has `finished` set.
         Invalid input raises ValueError (naming the field) before anything is queued. A request that fails
@@ -97,7 +99,7 @@ class AsyncLLM:
             await self.compile_guide(guided)
         sink: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", prompt, sampling_params, request_id, loop, sink, added))
+        self._send(("add", prompt, sampling_params, request_id, lora_request, loop, sink, added))
         try:
             request_id = await asyncio.wrap_future(added)
         except asyncio.CancelledError:  # cancelled while the engine adds it: abort it once added
@@ -235,11 +237,11 @@ class AsyncLLM:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, prompt, params, request_id, loop, sink, added = command
+            _, prompt, params, request_id, lora_request, loop, sink, added = command
             if not added.set_running_or_notify_cancel():  # its caller was cancelled before it got here
                 return
             try:
-                request_id = self.engine.add_request(prompt, params, request_id)
+                request_id = self.engine.add_request(prompt, params, request_id, lora_request)
             except Exception as e:  # invalid input (ValueError, TypeError) or a failure of this request alone
                 added.set_exception(e)
                 return

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kiln.runtime.core.block_manager import BlockManager
 from kiln.runtime.core.capacity import capacity_policy
+from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
 from kiln.runtime.core.request_checks import Prompt, check_fits, tokenize_prompt
@@ -62,7 +63,8 @@ class LLMEngine:
         self.executor = executor
         self.runtime = runtime = dataclasses.replace(runtime, num_kv_blocks=executor.num_kv_blocks)
         self.block_manager = BlockManager(runtime.num_kv_blocks, runtime.block_size, runtime.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens),
+        self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens,
+                                                   runtime.max_loras if runtime.enable_lora else None),
                                    self.block_manager,
                                    capacity_policy(runtime.capacity_scheduler_policy, self.block_manager))
         self.sampler = Sampler()
@@ -127,10 +129,14 @@ class LLMEngine:
         check_fits(num_prompt_tokens, params, self.runtime.max_seq_len, self.block_manager)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
+        """Queues a request; `lora_request`: the LoRA adapter it runs with (None: the base model), read here
+        so that an adapter that cannot be served is a ValueError naming it before anything is scheduled."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if lora_request is not None:
+            self._add_lora(lora_request)
         token_ids = self.tokenize(prompt)
         self.check_fits(len(token_ids), params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -138,10 +144,23 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.guided_decoding is not None:  # compiles it: a bad constraint fails before scheduling
             self.guided_masker().add_request(request_id, params.guided_decoding)
-        request = Request(request_id, token_ids, params, self.eos_token_ids)
+        request = Request(request_id, token_ids, params, self.eos_token_ids,
+                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
         self._tracked[request_id] = TrackedRequest.start(request, self.tokenizer, self.runtime.device)
         self.scheduler.add_request(request)
         return request_id
+
+    def _add_lora(self, lora_request: LoRARequest) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not self.runtime.enable_lora:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs the engine started with "
+                             f"enable_lora=True (--enable-lora)")
+        try:
+            self.executor.add_lora(lora_request)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} (lora_int_id={lora_request.lora_int_id}, "
+                             f"{lora_request.lora_path}): {e}") from None
 
     def guided_masker(self) -> GuidedMasker:
         """The engine's GuidedMasker (the token masker of guided decoding), made on first use; a ValueError

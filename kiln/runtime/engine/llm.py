@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request_checks import Prompt
 from kiln.runtime.core.sampling_params import SamplingParams
@@ -32,6 +33,16 @@ def normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, c
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling_params for {count} prompts; pass one, or one per prompt")
     return params
+
+
+def normalize_lora_requests(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                            count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_request entries for {count} prompts; pass one, or one per prompt")
+    return loras
 
 
 class LLM:
@@ -64,14 +75,16 @@ class LLM:
         return self.engine.tokenizer
 
     def _add_all(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[str]:
         prompt_list = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompt_list))
+        loras = normalize_lora_requests(lora_request, len(prompt_list))
         ids: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            for i, (prompt, p, lora) in enumerate(zip(prompt_list, params, loras)):
                 try:
-                    ids.append(self.engine.add_request(prompt, p))
+                    ids.append(self.engine.add_request(prompt, p, lora_request=lora))
                 except ValueError as e:
                     if len(prompt_list) > 1:
                         raise ValueError(f"prompt {i}: {e}") from None
@@ -83,9 +96,12 @@ class LLM:
         return ids
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Runs the prompts to completion with in-flight batching; outputs come in prompt order."""
-        ids = self._add_all(prompts, sampling_params)
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Runs the prompts to completion with in-flight batching; outputs come in prompt order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); needs
+        enable_lora."""
+        ids = self._add_all(prompts, sampling_params, lora_request)
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(ids):

@@ -57,6 +57,10 @@ class RuntimeConfig:
     # None: where that overlaps work (CUDA), False: never, True: wherever the executor can (tests on the CPU).
     async_scheduling: bool | None = None
     capacity_scheduler_policy: str = "max_utilization"  # runtime/core/capacity.py
+    enable_lora: bool = False  # LoRA adapters per request (worker/lora_slots.py)
+    max_loras: int = 4  # device slots: the most distinct adapters in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8  # adapters kept read in host memory
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -227,7 +231,9 @@ def resolve_runtime(info: EngineInfo, options: RuntimeOptions | None = None, /, 
         enable_prefix_caching=options.enable_prefix_caching,
         kv_cache_memory_fraction=options.kv_cache_memory_fraction, cuda_graphs=options.cuda_graphs,
         kv_cache_dtype=build.kv_cache_torch_dtype, async_scheduling=options.async_scheduling,
-        capacity_scheduler_policy=options.capacity_scheduler_policy)
+        capacity_scheduler_policy=options.capacity_scheduler_policy, enable_lora=options.enable_lora,
+        max_loras=options.max_loras, max_lora_rank=options.max_lora_rank,
+        max_cpu_loras=options.max_cpu_loras if options.max_cpu_loras is not None else 2 * options.max_loras)
 
 
 def engine_quant_config(info: EngineInfo) -> QuantConfig | None:

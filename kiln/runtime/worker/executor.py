@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kiln.model_defs import CausalLM
+from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.worker.engine_loader import RuntimeConfig
 from kiln.runtime.worker.memory import MemoryReport
-from kiln.runtime.worker.model_runner import ModelRunner, RunnerLimits
+from kiln.runtime.worker.model_runner import LoRALimits, ModelRunner, RunnerLimits
 from kiln.runtime.worker.model_step import StepInput, StepResult
 
 
@@ -45,7 +46,9 @@ class LocalExecutor:
                               max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
                               num_kv_blocks=runtime.num_kv_blocks,
                               kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
-                              cuda_graphs=runtime.cuda_graphs)
+                              cuda_graphs=runtime.cuda_graphs,
+                              lora=LoRALimits(runtime.max_loras, runtime.max_lora_rank, runtime.max_cpu_loras)
+                              if runtime.enable_lora else None)
         self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype,
                                   limits=limits, kv_cache_scales=kv_cache_scales)
         # Fixed once the runner has started.
@@ -57,6 +60,13 @@ class LocalExecutor:
 
     def execute(self, step: StepInput) -> StepResult:
         return self.runner.execute(step)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Reads the adapter `request` names (once; kept in host memory); a ValueError says why it cannot be
+        served. Only on an executor made with enable_lora."""
+        if self.runner.lora is None:
+            raise ValueError("a lora_request needs the engine started with enable_lora=True (--enable-lora)")
+        self.runner.lora.register(request)
 
     def shutdown(self) -> None:
         pass

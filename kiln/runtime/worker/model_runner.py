@@ -22,6 +22,7 @@ from kiln.runtime.sampling.prompt_logprobs import prompt_logprobs
 from kiln.runtime.worker import memory
 from kiln.runtime.worker.cuda_graphs import DecodeGraphs, decode_batch
 from kiln.runtime.worker.kv_cache import KVCache, rank_cache_config
+from kiln.runtime.worker.lora_slots import LoRASlots
 from kiln.runtime.worker.memory_profile import profile_activation_bytes
 from kiln.runtime.worker.model_step import StepInput, StepResult
 from kiln.runtime.worker.prefill_graphs import PrefillGraphs, prefill_batch
@@ -41,6 +42,16 @@ class RunnerLimits:
     num_kv_blocks: int | None  # None: as many as kv_cache_memory_fraction allows
     kv_cache_memory_fraction: float = 0.9
     cuda_graphs: bool = True
+    lora: LoRALimits | None = None  # None: no LoRA adapters
+
+
+@dataclass(frozen=True)
+class LoRALimits:
+    """The LoRA slots the runner holds (`lora_slots.LoRASlots`)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
 
 
 class ModelRunner:
@@ -62,6 +73,12 @@ class ModelRunner:
         model.setup_rotary(limits.max_seq_len, device)
         cache_config = rank_cache_config(model.config, mapping)
         weights = memory.tensor_bytes(model)
+        # The LoRA slots before the KV cache is sized: on CUDA it takes a share of what is free after them.
+        self.lora: LoRASlots | None = None
+        if limits.lora is not None:
+            self.lora = LoRASlots(model, model.config, max_loras=limits.lora.max_loras,
+                                  max_lora_rank=limits.lora.max_lora_rank, max_cpu_loras=limits.lora.max_cpu_loras,
+                                  device=device, dtype=next(model.parameters()).dtype)
         fraction = limits.kv_cache_memory_fraction
         activation = 0
         if device.type == "cuda":
@@ -87,7 +104,10 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
         graph_bytes = 0
-        if device.type == "cuda" and limits.cuda_graphs:
+        if device.type == "cuda" and limits.cuda_graphs and self.lora is not None:
+            # The graphs' inputs do not carry the per-token LoRA slots yet: steps run eagerly.
+            logger.info("enable_lora: CUDA graphs are not captured (steps run eagerly)")
+        elif device.type == "cuda" and limits.cuda_graphs:
             graph_bytes = self._capture_graphs(fraction)
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
         self.memory_report = memory.MemoryReport(
@@ -152,7 +172,13 @@ class ModelRunner:
         packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device, self.kv_cache.scales)
         if feed is not None:
             feed_tokens(packed.input_ids, schedule, feed)
-        hidden = self.model(packed.input_ids, packed.context)  # [T, H]
+        if self.lora is not None:
+            self.lora.prepare(schedule)
+        try:
+            hidden = self.model(packed.input_ids, packed.context)  # [T, H]
+        finally:
+            if self.lora is not None:
+                self.lora.finish()
         logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, V]
         logprobs = prompt_logprobs(schedule, hidden, targets, self.model.compute_logits) if targets else {}
         return StepResult(logits, request_ids, packed.logits_offsets, logprobs)

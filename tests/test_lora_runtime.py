@@ -140,3 +140,17 @@ def test_async_llm_passes_the_adapter_through(tiny_code_engine, setup):
         assert asyncio.run(main()) == [expected[p, i][0] for p in (0, 1) for i in (0, 1, 2)]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adapters_on_cuda_match_peft(setup, tmp_path):
+    """The CUDA path (the Triton lora_add kernel, steps run eagerly while LoRA is on): the same tokens as PEFT."""
+    from kiln.builder.build import build_engine
+    from kiln.builder.build_config import BuildConfig
+
+    dirs, expected = setup
+    engine = build_engine(BUNDLED, tmp_path / "cuda", BuildConfig(device="cuda", dtype="float32", max_batch_size=32),
+                          progress=False)
+    with LLM(engine, enable_lora=True, max_lora_rank=16, max_loras=2) as llm:
+        _check_mixed(llm, dirs, expected)

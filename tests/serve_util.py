@@ -4,7 +4,9 @@ with its own event loop, on free ports. Clients (tritonclient, openai, raw HTTP)
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -148,3 +150,14 @@ def triton_inputs(module, prompt: str, guide_type: str | None, guide: str | None
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     return tensors
+
+
+def post_json(server, path: str, body: dict, timeout: float = 60) -> tuple[int, str]:
+    """POSTs `body` as JSON to the server's HTTP port; (status, body text), an error status included."""
+    request = urllib.request.Request(server.http_base + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

@@ -8,14 +8,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serve_util import MODEL_NAME, start_server, triton_inputs
+from serve_util import MODEL_NAME, post_json, start_server, triton_inputs
 from tritonclient.utils import InferenceServerException
 
 DEAD_END = 'root ::= "def" x\nx ::= x'
@@ -31,16 +29,6 @@ def server(tiny_code_engine):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.http_base + "/v1", api_key="none", max_retries=0)
-
-
-def _post(server, path: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(server.http_base + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def _all_blocks_back(server) -> bool:
@@ -86,7 +74,7 @@ def test_openai_completion_and_chat_are_400s_naming_the_field(server, client):
 
 
 def test_openai_stream_ends_with_an_error_event_then_done(server):
-    status, body = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x = ", "max_tokens": 8,
+    status, body = post_json(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x = ", "max_tokens": 8,
                                                      "stream": True, "guided_grammar": DEAD_END})
     events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
     if status == 200:  # the first token went out before the grammar ran dry
@@ -99,7 +87,7 @@ def test_openai_stream_ends_with_an_error_event_then_done(server):
 
 
 def test_triton_generate_and_kserve_infer_are_400s(server):
-    status, body = _post(server, f"/v2/models/{MODEL_NAME}/generate", {
+    status, body = post_json(server, f"/v2/models/{MODEL_NAME}/generate", {
         "text_input": "x = ", "max_tokens": 8, "guided_decoding_guide_type": "ebnf_grammar",
         "guided_decoding_guide": DEAD_END})
     assert status == 400 and "guided_decoding_guide" in body and "allows no token" in body, body

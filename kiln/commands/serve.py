@@ -72,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "to with tool_choice required or a named function: llama3_json ({\"name\": ..., "
                         "\"parameters\": {...}}) or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}"
                         "</tool_call>) (default: by architecture: Llama/Mistral llama3_json, Qwen2/Qwen3 hermes)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (Hugging Face PEFT directories) served as OpenAI models by these names, "
+                        "as name=path or JSON {\"name\": ..., \"path\": ...}; needs --enable-lora (default: none)")
     add_runtime_args(p)
     p.set_defaults(run=run, field_flags=field_flags(p, {"shutdown_timeout_s": "shutdown_timeout",
                                                          "keep_alive_timeout_s": "keep_alive_timeout",
@@ -80,6 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.serve.config import ServeConfig
+    from kiln.serve.lora_modules import parse_lora_module
     from kiln.serve.server import serve
 
     template = None
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                          max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
                          keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
+                         lora_modules=tuple(parse_lora_module(spec) for spec in args.lora_modules),
                          runtime=runtime_options(args))
     try:
         asyncio.run(serve(config))

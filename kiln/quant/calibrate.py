@@ -86,9 +86,13 @@ def calibrate(checkpoint: Path, format_config: Any | None, kv_cache_dtype: str, 
     _report_size(data, len(samples), max_seq_len, num_samples)
 
     def forward_loop(m: torch.nn.Module) -> None:
+        # Logits only matter to calibration when lm_head itself is quantized (its input is calibrated either way,
+        # by the last hidden states): otherwise one position's logits are kept instead of [B, T, vocab], the
+        # largest tensor of the pass (most of the bundled model's calibration time).
+        keep = {} if _quantizes_lm_head(m) else {"logits_to_keep": 1}
         with torch.no_grad():
             for batch in _batches(samples):
-                m(input_ids=batch.to(device))
+                m(input_ids=batch.to(device), **keep)
 
     cfg = modelopt_config(format_config, kv_cache_dtype)
     with warnings.catch_warnings():
@@ -103,6 +107,13 @@ def calibrate(checkpoint: Path, format_config: Any | None, kv_cache_dtype: str, 
     logger.info("ModelOpt %s calibrated %d samples (%d tokens) in %.1fs", modelopt.__version__, record.num_samples,
                 record.num_tokens, seconds)
     return CalibrationResult(state, linears, kv_amax, record, modelopt.__version__)
+
+
+def _quantizes_lm_head(model: torch.nn.Module) -> bool:
+    """Whether ModelOpt calibrates an lm_head quantizer of `model` (kiln excludes lm_head by default)."""
+    head = getattr(model, "lm_head", None)
+    return any(getattr(getattr(head, name, None), "is_enabled", False)
+               for name in ("input_quantizer", "weight_quantizer", "output_quantizer"))
 
 
 def _report_size(data: CalibrationTexts, size: int, max_seq_len: int, asked: int | None) -> None:

@@ -43,6 +43,9 @@ class ServeConfig:
     # the tool-call format the chat API reads and constrains (serve/openai/tool_calls.py): llama3_json or hermes;
     # None: the engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes)
     tool_call_parser: str | None = None
+    # LoRA adapters served by name (--lora-modules name=path): each is a `model` of the OpenAI API; needs
+    # runtime.enable_lora. More come and go while serving through /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    lora_modules: tuple[tuple[str, str], ...] = ()
     # how the engine is run: device, lower limits, KV-cache size, CUDA graphs, speculative decoding
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
 
@@ -82,3 +85,10 @@ class ServeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServeConfig.{name}={value!r} is invalid: must be a positive integer")
+        names = [name for name, _ in self.lora_modules]
+        if names and not self.runtime.enable_lora:
+            raise ValueError(f"--lora-modules {' '.join(names)} needs --enable-lora")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must differ, got {', '.join(names)}")
+        if self.model_name and self.model_name in names:
+            raise ValueError(f"--lora-modules name {self.model_name!r} is the base model's name (--model-name)")

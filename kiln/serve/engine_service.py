@@ -11,13 +11,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kiln.runtime import Prompt
+from kiln.runtime import LoRARequest, Prompt
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.engine.async_llm import AsyncLLM
 from kiln.serve.errors import InternalError, InvalidRequest, Overloaded, RequestError, Unavailable
 from kiln.serve.guided_request import engine_refusal
+from kiln.serve.lora_modules import LoRAModules
 from kiln.serve.metrics import ServeMetrics
 from kiln.serve.prompt_work import PromptWorker
 from kiln.serve.request_progress import CumulativeOutput, RequestProgress
@@ -47,12 +48,15 @@ class EngineService:
     """Wraps an AsyncLLM for the servers. Use `generate` inside `contextlib.aclosing(...)` so that a
     client that goes away aborts its request at once."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, max_queued_requests: int | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, max_queued_requests: int | None = None,
+                 loras: LoRAModules | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        # the LoRA adapters served by name (none unless the server has --enable-lora)
+        self.loras = loras if loras is not None else LoRAModules(model_name, enabled=False)
         # Requests admitted but not yet running in the engine, at most (None: no limit).
         self.max_queued_requests = max_queued_requests
-        self.metrics = ServeMetrics(llm.kv_cache_stats, llm.speculation_stats)
+        self.metrics = ServeMetrics(llm.kv_cache_stats, llm.speculation_stats, lambda: len(self.loras))
         # Tokenizing, chat templating and decoding large texts: never on the event loop or the engine thread.
         self.prompt_work = PromptWorker()
         self.accepting = True
@@ -130,7 +134,8 @@ class EngineService:
         return prompt
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, *,
-                       cut_off_is_error: bool = False, guided_field: str | None = None) -> AsyncIterator[Delta]:
+                       cut_off_is_error: bool = False, guided_field: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Delta]:
         """Yields a Delta per engine update; the last has `finished`. Invalid input raises InvalidRequest
         (before anything is yielded); a server that is shutting down raises Unavailable, and a full queue
         Overloaded. With `cut_off_is_error` (Triton's protocols, which have no finish reason), a request
@@ -138,7 +143,8 @@ class EngineService:
         that fails alone raises InvalidRequest (its constraint led nowhere) or InternalError, at any point; an
         engine that has stopped raises Unavailable for every request at once.
         `guided_field`: the request field that `params.guided_decoding` came from, which the error names when
-        the engine cannot compile the constraint."""
+        the engine cannot compile the constraint. `lora_request`: the LoRA adapter it runs with (None: the base
+        model); the adapter counts as in use (it cannot be unloaded) until the request is over."""
         self.check_admission()
         request_id = request_id or self.new_request_id()
         metrics = self.metrics
@@ -150,7 +156,11 @@ class EngineService:
         except ValueError as e:
             metrics.requests.labels("rejected").inc()
             raise engine_refusal(e, guided_field) from None
-        stream = _engine_errors(self.llm.generate(prompt, params, request_id=request_id), guided_field)
+        stream = _engine_errors(self.llm.generate(prompt, params, request_id=request_id,
+                                                  lora_request=lora_request), guided_field)
+        if lora_request is not None:
+            metrics.lora_requests.labels(lora_request.lora_name).inc()
+        self.loras.acquire(lora_request)
         self._inflight.add(request_id)
         self._idle.clear()
         outcome = "error"
@@ -197,9 +207,11 @@ class EngineService:
             metrics.requests.labels(outcome).inc()
             # Shielded: a second cancellation of the consumer must not cut the cleanup short.
             await asyncio.shield(asyncio.ensure_future(self._release(request_id, stream,
-                                                                     abort=outcome in ("abort", "error"))))
+                                                                     abort=outcome in ("abort", "error"),
+                                                                     lora_request=lora_request)))
 
-    async def _release(self, request_id: str, stream: AsyncIterator, abort: bool) -> None:
+    async def _release(self, request_id: str, stream: AsyncIterator, abort: bool,
+                       lora_request: LoRARequest | None = None) -> None:
         try:
             if abort:
                 # Wait for the engine to drop it, so its KV blocks are free once the consumer moves on.
@@ -207,6 +219,7 @@ class EngineService:
                     await self.llm.abort(request_id)
             await stream.aclose()
         finally:
+            self.loras.release(lora_request)
             self._inflight.discard(request_id)
             if not self._inflight:
                 self._idle.set()

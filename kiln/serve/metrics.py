@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # `*_created` timestamp series only clutter the exposition (process-wide setting of prometheus_client).
@@ -23,7 +30,8 @@ class ServeMetrics:
     """The server's metrics, in a registry of their own (several servers may live in one process)."""
 
     def __init__(self, engine_stats: Callable[[], dict[str, int]],
-                 speculation_stats: Callable[[], dict | None] = lambda: None) -> None:
+                 speculation_stats: Callable[[], dict | None] = lambda: None,
+                 loras_loaded: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kiln_requests", "Requests by outcome (stop, length, abort, rejected, overloaded, error)",
@@ -40,6 +48,11 @@ class ServeMetrics:
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e_latency = Histogram("kiln_e2e_request_latency_seconds", "From arrival to the last token",
                                      buckets=_E2E_BUCKETS, registry=r)
+        self.lora_requests = Counter("kiln_lora_requests", "Engine requests that ran with a LoRA adapter, by adapter",
+                                     ["lora_name"], registry=r)
+        self.loras_loaded = Gauge("kiln_lora_adapters_loaded", "LoRA adapters served now (--lora-modules and "
+                                  "/v1/load_lora_adapter)", registry=r)
+        self.loras_loaded.set_function(loras_loaded)
         r.register(_EngineCollector(engine_stats, speculation_stats))
 
     def render(self) -> bytes:

@@ -16,6 +16,7 @@ from kiln.serve.config import ServeConfig
 from kiln.serve.engine_service import EngineService
 from kiln.serve.http.app import make_http_app, make_metrics_app
 from kiln.serve.http.guard import LimitedTCPSite
+from kiln.serve.lora_modules import server_loras
 from kiln.serve.openai.chat import chat_template_source
 
 logger = logging.getLogger("kiln.serve")
@@ -51,7 +52,12 @@ class KilnServer:
         c = self.config
         if self._llm is None:
             self._llm = await asyncio.to_thread(AsyncLLM, c.engine_dir, options=c.runtime)
-        self.service = EngineService(self._llm, self.model_name, c.max_queued_requests)
+        try:
+            loras = await asyncio.to_thread(server_loras, self._llm, self.model_name, c.lora_modules)
+        except ValueError:
+            self._llm.shutdown()
+            raise
+        self.service = EngineService(self._llm, self.model_name, c.max_queued_requests, loras)
         try:
             self.http_port = await self._listen(make_http_app(self.service, c), c.http_port)
             self.metrics_port = await self._listen(make_metrics_app(self.service, c), c.metrics_port)

@@ -24,7 +24,7 @@ def error_response(path: str, error: RequestError) -> web.Response:
     """OpenAI's error object under /v1, Triton's `{"error": message}` elsewhere."""
     if path.startswith("/v1"):
         body = {"error": {"message": error.message, "type": error.openai_type, "param": error.param,
-                          "code": error.status}}
+                          "code": getattr(error, "openai_code", None) or error.status}}
     else:
         body = {"error": error.message}
     response = web.json_response(body, status=error.status)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -18,11 +19,13 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from kiln.runtime import LoRARequest
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.serve.engine_service import Delta, EngineService
 from kiln.serve.errors import InvalidRequest, RequestError, Unavailable
 from kiln.serve.http.common import CONFIG, SERVICE, read_json
 from kiln.serve.limits import RequestLimits
+from kiln.serve.openai import lora_routes
 from kiln.serve.openai.chat import chat_job, tool_call_parser
 from kiln.serve.openai.completions import completion_job
 from kiln.serve.openai.request import Choice, Job, check_model, usage
@@ -44,7 +47,7 @@ async def _generate_all(request: web.Request, job: Job) -> AsyncIterator[tuple[C
     async def run(choice: Choice) -> None:
         try:
             stream = service.generate(choice.prompt, choice.params, f"{job.id}-{choice.index}",
-                                      guided_field=job.guided_field)
+                                      guided_field=job.guided_field, lora_request=job.lora_request)
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     queue.put_nowait((choice, delta))
@@ -142,6 +145,11 @@ async def _answer_stream(request: web.Request, job: Job) -> web.StreamResponse:
     return response
 
 
+def _with_lora(job: Job, lora: LoRARequest | None) -> Job:
+    """The job run with the adapter its `model` selected, answering under that model's name."""
+    return job if lora is None else dataclasses.replace(job, lora_request=lora, model=lora.lora_name)
+
+
 def _envelope(job: Job, obj: str, choices: list[dict]) -> dict:
     return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices}
 
@@ -150,35 +158,42 @@ def _envelope(job: Job, obj: str, choices: list[dict]) -> dict:
 def add_routes(app: web.Application) -> None:
     created = int(time.time())
 
-    def model_card(service: EngineService) -> dict:
-        return {"id": service.model_name, "object": "model", "created": created, "owned_by": "kiln",
-                "max_model_len": service.max_seq_len}
+    def model_card(service: EngineService, name: str) -> dict:
+        """vLLM's card: an adapter's `parent` is the base model, the base model's is null."""
+        lora = service.loras.lookup(name)
+        return {"id": name, "object": "model", "created": created, "owned_by": "kiln",
+                "root": service.model_name if lora is None else lora.lora_path,
+                "parent": None if lora is None else service.model_name, "max_model_len": service.max_seq_len}
 
     async def list_models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [model_card(request.app[SERVICE])]})
+        service = request.app[SERVICE]
+        names = [service.model_name, *service.loras.names]
+        return web.json_response({"object": "list", "data": [model_card(service, name) for name in names]})
 
     async def get_model(request: web.Request) -> web.Response:
         service = request.app[SERVICE]
-        check_model({"model": request.match_info["model"]}, service)
-        return web.json_response(model_card(service))
+        name = request.match_info["model"]
+        check_model({"model": name}, service)
+        return web.json_response(model_card(service, name))
 
     async def completions(request: web.Request) -> web.StreamResponse:
         service = request.app[SERVICE]
         body = await read_json(request)
-        check_model(body, service)
-        job = await completion_job(service, body, RequestLimits.from_config(request.app[CONFIG]))
+        lora = check_model(body, service)
+        job = _with_lora(await completion_job(service, body, RequestLimits.from_config(request.app[CONFIG])), lora)
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         service = request.app[SERVICE]
         body = await read_json(request)
-        check_model(body, service)
+        lora = check_model(body, service)
         config = request.app[CONFIG]
-        job = await chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
-                             tool_call_parser(config, service))
+        job = _with_lora(await chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
+                                        tool_call_parser(config, service)), lora)
         return await (_answer_stream if job.stream else _answer)(request, job)
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    lora_routes.add_routes(app)

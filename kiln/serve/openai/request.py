@@ -15,12 +15,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kiln.runtime import Prompt
+from kiln.runtime import LoRARequest, Prompt
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.serve.client_json import shown
 from kiln.serve.engine_service import Delta, EngineService
-from kiln.serve.errors import InvalidRequest, NotFound
+from kiln.serve.errors import InvalidRequest
 from kiln.serve.limits import RequestLimits
 from kiln.serve.openai.format import usage as usage_object
 
@@ -72,6 +72,7 @@ class Job:
     # the field the output constraint came from (response_format, guided_json, tools, ...): an engine complaint
     # about the constraint names it
     guided_field: str | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter `model` selected (None: the base model)
 
 
 # ---- checking a request ------------------------------------------------------------------------------
@@ -84,10 +85,13 @@ def check_fields(body: dict, supported: set[str], n: int) -> None:
         raise InvalidRequest(f"'{name}' is not supported by kiln serve (got {shown(value)})", name)
 
 
-def check_model(body: dict, service: EngineService) -> None:
+def check_model(body: dict, service: EngineService) -> LoRARequest | None:
+    """The LoRA adapter the body's `model` selects (None: the base model, also when `model` is left out); a 404
+    naming the served models when it is neither."""
     model = body.get("model")
-    if model is not None and model != service.model_name:
-        raise NotFound(f"The model '{model}' does not exist; this server serves '{service.model_name}'", "model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"model={shown(model)} is invalid: must be a string", "model")
+    return service.loras.lookup(model)
 
 
 def get_field(body: dict, name: str, default, kind: type | tuple[type, ...], rule: str):

@@ -86,8 +86,7 @@ class LoRASlots:
                                  f"at {known.lora_path}, not {request.lora_path}: give each adapter its own id")
             self._adapter(request.lora_int_id)
             return
-        adapter = read_lora_adapter(request.lora_path, self.model_config, max_lora_rank=self.max_lora_rank,
-                                    name=request.lora_name)
+        adapter = self._read(request)  # refused before the id is recorded
         self._requests[request.lora_int_id] = request
         self._keep(request.lora_int_id, adapter)
 
@@ -142,11 +141,13 @@ class LoRASlots:
         if adapter is not None:
             self._host.move_to_end(lora_int_id)
             return adapter
-        request = self._requests[lora_int_id]  # evicted from host memory: read again
-        adapter = read_lora_adapter(request.lora_path, self.model_config, max_lora_rank=self.max_lora_rank,
-                                    name=request.lora_name)
+        adapter = self._read(self._requests[lora_int_id])  # evicted from host memory: read again
         self._keep(lora_int_id, adapter)
         return adapter
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        return read_lora_adapter(request.lora_path, self.model_config, max_lora_rank=self.max_lora_rank,
+                                 name=request.lora_name)
 
     def _keep(self, lora_int_id: int, adapter: LoRAAdapter) -> None:
         self._host[lora_int_id] = adapter

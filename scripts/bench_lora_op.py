@@ -1,7 +1,9 @@
 """Times kiln's lora_add kernel against the base linear it rides on (one CUDA GPU, inside CUDA graphs as the runtime
-runs decode steps): the LoRA overhead per layer.
+runs decode steps): the LoRA overhead per linear.
 
-    python scripts/bench_lora_op.py            # K = N = 4096, rank 16, bf16, batch 1 and 64, 0/1/4 adapters
+    python scripts/bench_lora_op.py   # bf16, rank 16, batch 1 and 64, 0/1/4 adapters in use; Llama-8B's o (K = N =
+                                      # 4096) and fused qkv (4096 -> 4096 + 1024 + 1024): one call for all parts
+                                      # (what the runtime runs) and, for comparison, one call per part (before)
 """
 
 from __future__ import annotations
@@ -40,23 +42,36 @@ def time_ms(fn, iters: int = 50, graph: bool = True) -> float:
 
 
 def main() -> None:
-    dev, dt, k, n, rank, slots = "cuda", torch.bfloat16, 4096, 4096, 16, 4
-    w = torch.randn(n, k, device=dev, dtype=dt) / 64
-    a = torch.randn(slots, rank, k, device=dev, dtype=dt) / 64
-    b = torch.randn(slots, n, rank, device=dev, dtype=dt) / 64
-    scale = torch.ones(slots, device=dev, dtype=torch.float32)
-    print(f"{torch.cuda.get_device_name()}  K={k} N={n} rank={rank} {dt}")
-    for t in (1, 64):
-        x = torch.randn(t, k, device=dev, dtype=dt)
-        y = torch.empty(t, n, device=dev, dtype=dt)
-        base = time_ms(lambda x=x, y=y: torch.matmul(x, w.t(), out=y))
-        line = [f"T={t:3d}: base GEMM {base * 1000:7.1f} us"]
-        for used in (0, 1, 4):
-            slot = (torch.arange(t, device=dev, dtype=torch.int32) % used) if used else \
-                torch.full((t,), -1, device=dev, dtype=torch.int32)
-            cost = time_ms(lambda x=x, y=y, slot=slot: lora_add(y, x, a, b, slot, scale))
-            line.append(f"lora_add {used} adapter(s) {cost * 1000:6.1f} us ({cost / base:.0%})")
-        print(";  ".join(line))
+    dev, dt, k, rank, slots = "cuda", torch.bfloat16, 4096, 16, 4
+    print(f"{torch.cuda.get_device_name()}  K={k} rank={rank} {dt}")
+    for name, parts in (("o", [4096]), ("qkv", [4096, 1024, 1024])):
+        n, p = sum(parts), len(parts)
+        ends = [sum(parts[:i + 1]) for i in range(p)]
+        w = torch.randn(n, k, device=dev, dtype=dt) / 64
+        a = torch.randn(slots, p * rank, k, device=dev, dtype=dt) / 64
+        b = torch.randn(slots, n, rank, device=dev, dtype=dt) / 64
+        scale = torch.ones(slots, device=dev, dtype=torch.float32)
+
+        def per_part(y, x, slot, a=a, b=b, scale=scale, ends=ends):
+            for i, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+                lora_add(y[:, start:end], x, a[:, i * rank:(i + 1) * rank], b[:, start:end], slot, scale)
+
+        for t in (1, 64):
+            x = torch.randn(t, k, device=dev, dtype=dt)
+            y = torch.empty(t, n, device=dev, dtype=dt)
+            base = time_ms(lambda x=x, y=y, w=w: torch.matmul(x, w.t(), out=y))
+            line = [f"{name:3s} N={n} T={t:3d}: base GEMM {base * 1000:6.1f} us"]
+            for used in (0, 1, 4):
+                slot = (torch.arange(t, device=dev, dtype=torch.int32) % used) if used else \
+                    torch.full((t,), -1, device=dev, dtype=torch.int32)
+                cost = time_ms(lambda x=x, y=y, slot=slot, a=a, b=b, scale=scale, ends=ends:
+                               lora_add(y, x, a, b, slot, scale, ends))
+                cell = f"{used} adapter(s) {cost * 1000:5.1f} us ({cost / base:.0%})"
+                if p > 1:
+                    split = time_ms(lambda x=x, y=y, slot=slot, f=per_part: f(y, x, slot))
+                    cell += f" [per part {split * 1000:5.1f} us]"
+                line.append(cell)
+            print(";  ".join(line))
 
 
 if __name__ == "__main__":

@@ -71,3 +71,25 @@ def test_on_cuda_the_fused_kernels_agree_with_quantizing_in_the_linear(checkpoin
     unfused = _run(engine)
     for (_, _, prompt), (_, _, prompt_u) in zip(fused, unfused):
         assert prompt[1:] == pytest.approx(prompt_u[1:], abs=0.05)
+
+
+def test_with_lora_the_fp8_linears_quantize_their_own_input_for_the_adapters(checkpoint, tmp_path):
+    """LoRA adapters multiply the float input, so with enable_lora the producers hand floats and each FP8 linear
+    quantizes them itself: without an adapter the same numbers bit for bit, with one the adapter applies."""
+    from lora_util import make_adapter
+    from transformers import AutoModelForCausalLM
+
+    from kiln.runtime import LoRARequest
+
+    config = BuildConfig(dtype="float32", max_batch_size=4, max_num_tokens=16, max_seq_len=64, kv_block_size=8,
+                         qformat="fp8", dummy_weights=True)
+    engine = build_engine(checkpoint, tmp_path / "engine", config, progress=False)
+    base = _run(engine)
+    adapter, _ = make_adapter(AutoModelForCausalLM.from_pretrained(checkpoint), tmp_path / "adapter", r=8,
+                              target_modules="all-linear")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+    with LLM(engine, enable_lora=True, max_lora_rank=8) as llm:
+        plain = [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(PROMPTS, params)]
+        adapted = llm.generate(PROMPTS, params, LoRARequest("a", 1, str(adapter)))
+    assert plain == base
+    assert [o.prompt_logprobs for o in adapted] != [p for _, _, p in base]

@@ -4,6 +4,10 @@ remove them while serving, and per-adapter metrics. Real PEFT adapters on the bu
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -81,6 +85,8 @@ def test_model_selects_adapter(lora_server, expected):
     metrics = urllib.request.urlopen(lora_server.metrics_url, timeout=10).read().decode()
     assert 'kiln_lora_requests_total{lora_name="a8"} 2.0' in metrics
     assert "kiln_lora_adapters_loaded 2.0" in metrics
+    loads = [line for line in metrics.splitlines() if line.startswith("kiln_lora_slot_loads_total ")]
+    assert loads and float(loads[0].split()[1]) >= 2  # both adapters were put into a device slot
 
 
 def test_load_use_unload(lora_server, adapters, expected):
@@ -110,9 +116,53 @@ def test_unload_in_use_is_refused(lora_server):
     loras.acquire(request)
     try:
         status, body = post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "a8"})
-        assert status == 409 and "1 running request" in body
+        assert status == 409 and "in use by running requests" in body
     finally:
         loras.release(request)
+
+
+def test_a_request_holds_its_adapter_from_resolving_it_to_its_end(lora_server, adapters, expected, monkeypatch):
+    """A request that resolved its adapter but has not reached the engine yet (held here while its prompt is
+    worked on) already counts as using it: unloading is refused (409) until it has ended, and counts go back
+    to zero whether it succeeded, failed or its client went away."""
+    service = lora_server.service
+    assert post_json(lora_server, "/v1/load_lora_adapter", {"lora_name": "racy", "lora_path": str(adapters["late"])})[0] \
+        == 200
+    gate, entered = threading.Event(), threading.Event()
+    real = service.prompt_ids
+
+    async def held_prompt_ids(prompt, params):
+        entered.set()
+        await asyncio.to_thread(gate.wait, 30)
+        return await real(prompt, params)
+
+    monkeypatch.setattr(service, "prompt_ids", held_prompt_ids)
+    body = {"model": "racy", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    answers: list[tuple[int, str]] = []
+    client = threading.Thread(target=lambda: answers.append(post_json(lora_server, "/v1/completions", body)))
+    client.start()
+    try:
+        assert entered.wait(30)
+        status, text = post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "racy"})
+        assert status == 409 and "racy" in text
+    finally:
+        gate.set()
+        client.join(60)
+    assert answers[0][0] == 200 and json.loads(answers[0][1])["choices"][0]["text"] == expected["late", PROMPTS[0]]
+    assert service.loras.users("racy") == 0
+    # a refused request and a client that went away release it too
+    assert post_json(lora_server, "/v1/completions", {**body, "temperature": "hot"})[0] == 400
+    gate.clear()
+    entered.clear()
+    with pytest.raises(OSError):  # the client gives up while its request is held
+        post_json(lora_server, "/v1/completions", body, timeout=0.5)
+    assert entered.wait(30)
+    gate.set()
+    deadline = time.monotonic() + 30
+    while service.loras.users("racy") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.loras.users("racy") == 0
+    assert post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "racy"})[0] == 200
 
 
 def test_without_enable_lora(server):

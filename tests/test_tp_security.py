@@ -145,8 +145,9 @@ def test_codec_sends_a_forgotten_table_whole():
 
 def valid_message() -> dict:
     step = StepInput(SchedulerOutput((ScheduledRequest("a", (1, 2, 3), 0, BlockTable([4], 1, new_stamp()), 3, 1),
-                                      ScheduledRequest("b", (9,), 7, (5, 6), 5, 1)), ("c",)),
+                                      ScheduledRequest("b", (9,), 7, (5, 6), 5, 1)), ("c",), ((6, 8),)),
                      {"a": PromptLogprobTarget([1, 2, 3], 2)})
+    assert StepDecoder().decode(StepEncoder().encode(step)) == step  # the block copies (beam search) travel too
     return json.loads(StepEncoder().encode(step))
 
 
@@ -184,6 +185,8 @@ def mutated(**changes) -> bytes:
     (mutated(have=[2, 0]), r"'have'\[0\]=2 exceeds the table's 1 blocks"),
     (mutated(have=[1, 0], blocks=[5, 6]), "ledgers disagree"),
     (mutated(preempted=[None]), "'preempted' must be a list of strings"),
+    (mutated(copies=[3, 4, 5]), "'copies' has 3 entries: .* an even number"),
+    (mutated(copies=[3, -4]), r"'copies'\[1\]=-4 is out of range"),
     (mutated(targets=[["a", [1, 2, 3], -1]]), r"'targets'\[0\]\[2\] \(top_k\)=-1 is out of range"),
     (mutated(targets=[["a", [1, 2, 3], 0, "x"]]), r"'targets'\[0\] must be \[request id, prompt token ids, top_k\]"),
     (mutated(targets=[["a", [1, 2.0], 0]]), r"'targets'\[0\]\[1\]\[1\] must be an integer"),
@@ -206,7 +209,7 @@ def test_codec_covers_every_field():
                                                                        PromptLogprobTarget, RuntimeConfig, RankLaunch)}
     assert names[ScheduledRequest] == {"request_id", "token_ids", "start_position", "block_ids", "num_prompt_tokens",
                                        "num_sampled", "lora_int_id"}
-    assert names[SchedulerOutput] == {"requests", "preempted_ids"}
+    assert names[SchedulerOutput] == {"requests", "preempted_ids", "block_copies"}
     assert names[StepInput] == {"schedule", "prompt_logprob_targets", "token_feed"}
     assert names[PromptLogprobTarget] == {"token_ids", "top_k"}
     assert names[RuntimeConfig] == set(step_codec._RUNTIME_FIELDS)

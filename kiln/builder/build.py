@@ -376,7 +376,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
             kv_cache_dtype=dtype_name if plan is None or not plan.kv_quantized else plan.kv_cache_dtype,
             kv_cache_scales=None if plan is None else kv_cache_scales(plan, model_config.num_layers),
             quantization=None if plan is None else quant_spec(plan).to_dict(), dummy_weights=config.dummy_weights,
-            weights_at_load=config.weights_at_load)
+            weights_at_load=config.weights_at_load, max_beam_width=config.max_beam_width)
         fields = dict(architecture=model_config.architecture, model_config=model_config.to_dict(),
                       build_config=build.to_dict(), mapping=mapping.to_dict(), target=target, files=files,
                       kiln_version=kiln.__version__, format_version=1 if plan is None else QUANTIZED_FORMAT_VERSION)

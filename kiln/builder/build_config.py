@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from kiln.engine_format import ENGINE_DTYPES
-from kiln.engine_format.limits import check_build_limits
+from kiln.engine_format.limits import check_build_limits, check_max_beam_width
 from kiln.quant.base import QuantError
 from kiln.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_QUANT_DTYPES, QFORMATS, parse_qformat
 from kiln.quant.registry import QuantScheme
@@ -54,6 +54,7 @@ class BuildConfig:
     # A checkpoint tensor holding NaN or Inf is refused (the engine would sample from NaN logits); True builds
     # it anyway with a warning naming the tensor (--allow-non-finite)
     allow_non_finite: bool = False
+    max_beam_width: int = 1  # beams a beam-search request may have (TensorRT-LLM's --max_beam_width)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -64,6 +65,10 @@ class BuildConfig:
         # model's default is known.
         check_build_limits(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
                            max_seq_len=self.max_seq_len, kv_block_size=self.kv_block_size)
+        check_max_beam_width(self.max_beam_width)
+        if self.max_beam_width > min(self.max_batch_size, self.max_num_tokens):
+            raise ValueError(f"max_beam_width={self.max_beam_width} exceeds max_batch_size={self.max_batch_size} or "
+                             f"max_num_tokens={self.max_num_tokens}: every beam is a row of each step")
         for name in ("awq_block_size", "calib_size", "calib_max_seq_len", "tp_size"):
             value = getattr(self, name)
             if name == "calib_size" and value is None:

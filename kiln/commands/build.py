@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="most tokens per request, prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    p.add_argument("--max-beam-width", type=int, default=1,
+                   help="most beams a beam-search request may have (SamplingParams n with use_beam_search; each "
+                        "beam is a row of max-batch-size) (default: 1)")
     p.add_argument("--dummy-weights", action="store_true",
                    help="random weights from config.json alone, no weight files needed (for benchmarks)")
     p.add_argument("--no-weight-files", action="store_true",
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                          calib_dataset=args.calib_dataset, calib_size=args.calib_size,
                          calib_max_seq_len=args.calib_max_seq_len, tp_size=args.tp_size,
                          tune=not args.no_tune, allow_non_finite=args.allow_non_finite,
-                         kernels=args.device == "cuda" and not args.no_kernels)
+                         kernels=args.device == "cuda" and not args.no_kernels,
+                         max_beam_width=args.max_beam_width)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
     dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]

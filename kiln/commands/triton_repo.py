@@ -39,6 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max_utilization: admit every request at once, preempting the newest when KV blocks "
                         "run short; guaranteed_no_evict: admit a request only when its prompt + max_tokens fits "
                         "beside the running ones (default max_utilization)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters through TensorRT-LLM's inputs lora_task_id, lora_weights and "
+                        "lora_config (the adapter comes with a task's first request)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapters on the device at once, and the most one step mixes (runtime default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="largest LoRA rank (adapter_size) served (runtime default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="M",
+                   help="LoRA adapters kept in host memory (runtime default 2 * max_loras)")
     p.add_argument("--python-path", action="append", default=[], metavar="DIR",
                    help="a directory model.py puts first on the Python backend's sys.path (repeatable), e.g. one "
                         "made by `pip install --target DIR \"numpy<2\"` for a backend stub built for numpy 1")
@@ -57,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         batch_scheduler_policy=args.batch_scheduler_policy,
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
         enable_kv_cache_reuse=args.enable_kv_cache_reuse, force=args.force, python_path=args.python_path,
-        record_site=args.record_site)
+        record_site=args.record_site, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     repo = model.model_dir.parent
     print(f"wrote {model.config_file} (python backend, decoupled, max_batch_size {model.max_batch_size}, "
           f"{model.instance_kind})")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .limits import check_build_limits
+from .limits import check_build_limits, check_max_beam_width
 from .mapping import Mapping
 from .spec import ENGINE_JSON, EngineError, EngineSpec
 
@@ -46,6 +46,8 @@ class EngineBuildConfig:
     # is stored as k / k_scale and read back as stored * k_scale. None, and only None, for a float cache.
     # Its length is checked against the model's layers where the model config is known (the runtime).
     kv_cache_scales: KVCacheScales | None = None
+    # Beams a beam-search request may have (`--max-beam-width`); engines written before it run 1.
+    max_beam_width: int = 1
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtype", ENGINE_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES)):
@@ -53,6 +55,7 @@ class EngineBuildConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         check_build_limits(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
                            max_seq_len=self.max_seq_len, kv_block_size=self.kv_block_size)
+        check_max_beam_width(self.max_beam_width)
         if self.quantization is not None and not isinstance(self.quantization, dict):
             raise ValueError(f"quantization={self.quantization!r} must be an object or null")
         for name in ("dummy_weights", "weights_at_load"):

@@ -16,7 +16,9 @@ MAX_NUM_TOKENS = 1 << 20  # tokens per step; real deployments use 2048-65536
 # Rope positions are float32 (model_defs/layers/rotary.py), exact integers only up to 2**24; the longest
 # context of a released model is 10485760 tokens (Llama 4 Scout).
 MAX_SEQ_LEN = 1 << 24
-MAX_KV_BLOCK_SIZE = 256  # tokens per KV-cache block, a power of two
+MAX_KV_BLOCK_SIZE = 256
+# Beams per request (beam search); TensorRT-LLM's kernels go to 1024, real use stays below 16.
+MAX_BEAM_WIDTH = 1024  # tokens per KV-cache block, a power of two
 # Block-table entries of a full batch (max_batch_size x blocks per sequence): the CUDA graphs hold several
 # int32 tables of this size (512 MiB each at the limit). 2048 requests of 128K tokens in blocks of 16 are 2**24.
 MAX_BLOCK_TABLE_ENTRIES = 1 << 27
@@ -50,3 +52,9 @@ def check_build_limits(*, max_batch_size: Any, max_num_tokens: Any, max_seq_len:
         raise ValueError(f"max_batch_size={max_batch_size} x max_seq_len={max_seq_len} / kv_block_size="
                          f"{kv_block_size} is {entries} KV-block-table entries, over kiln's limit "
                          f"{MAX_BLOCK_TABLE_ENTRIES}: lower max_batch_size or max_seq_len, or raise kv_block_size")
+
+
+def check_max_beam_width(value: Any) -> None:
+    """Raises ValueError unless `value` (max_beam_width) is an integer in [1, MAX_BEAM_WIDTH]."""
+    if not _is_count(value) or not 1 <= value <= MAX_BEAM_WIDTH:
+        raise ValueError(f"max_beam_width={value!r} must be an integer in [1, {MAX_BEAM_WIDTH}]")

@@ -56,7 +56,8 @@ class EngineService:
         self.loras = loras if loras is not None else LoRAModules(model_name, enabled=False)
         # Requests admitted but not yet running in the engine, at most (None: no limit).
         self.max_queued_requests = max_queued_requests
-        self.metrics = ServeMetrics(llm.kv_cache_stats, llm.speculation_stats, lambda: len(self.loras))
+        self.metrics = ServeMetrics(llm.kv_cache_stats, llm.speculation_stats, lambda: len(self.loras),
+                                    getattr(llm, "lora_stats", lambda: None))
         # Tokenizing, chat templating and decoding large texts: never on the event loop or the engine thread.
         self.prompt_work = PromptWorker()
         self.accepting = True

@@ -3,8 +3,10 @@ values, checking an adapter before it is served, and the live set of adapters wi
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from kiln.runtime import LoRARequest
@@ -89,10 +91,9 @@ class LoRAModules:
         if name not in self._adapters:
             raise NotFound(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self._adapters) or 'none'}",
                            "lora_name")
-        users = self._in_use.get(name, 0)
-        if users:
-            raise Conflict(f"LoRA adapter {name!r} is in use by {users} running request(s); unload it once they "
-                           "finish", "lora_name")
+        if self._in_use.get(name, 0):  # counted once per HTTP request and once per engine request it runs
+            raise Conflict(f"LoRA adapter {name!r} is in use by running requests; unload it once they finish",
+                           "lora_name")
         del self._adapters[name]
 
     def lookup(self, model: str | None) -> LoRARequest | None:
@@ -106,6 +107,7 @@ class LoRAModules:
         raise ModelNotFound(f"The model '{model}' does not exist; this server serves: {available}", "model")
 
     def acquire(self, lora: LoRARequest | None) -> None:
+        """One more request uses `lora` (None: the base model, nothing to count); `release` when it is over."""
         if lora is not None:
             self._in_use[lora.lora_name] = self._in_use.get(lora.lora_name, 0) + 1
 
@@ -116,6 +118,21 @@ class LoRAModules:
                 self._in_use[lora.lora_name] = left
             else:
                 self._in_use.pop(lora.lora_name, None)
+
+    @contextlib.contextmanager
+    def using(self, lora: LoRARequest | None) -> Iterator[LoRARequest | None]:
+        """Counts `lora` as in use for the block: from the moment a request resolved it (call this with no await
+        between `lookup` and here) until the request is over, whether it succeeded, failed or its client went
+        away, so that unloading the adapter meanwhile is refused."""
+        self.acquire(lora)
+        try:
+            yield lora
+        finally:
+            self.release(lora)
+
+    def users(self, name: str) -> int:
+        """The requests using adapter `name` now."""
+        return self._in_use.get(name, 0)
 
 
 def server_loras(llm, base_name: str, modules: tuple[tuple[str, str], ...]) -> LoRAModules:

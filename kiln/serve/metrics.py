@@ -31,7 +31,8 @@ class ServeMetrics:
 
     def __init__(self, engine_stats: Callable[[], dict[str, int]],
                  speculation_stats: Callable[[], dict | None] = lambda: None,
-                 loras_loaded: Callable[[], int] = lambda: 0) -> None:
+                 loras_loaded: Callable[[], int] = lambda: 0,
+                 lora_stats: Callable[[], dict | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kiln_requests", "Requests by outcome (stop, length, abort, rejected, overloaded, error)",
@@ -53,7 +54,7 @@ class ServeMetrics:
         self.loras_loaded = Gauge("kiln_lora_adapters_loaded", "LoRA adapters served now (--lora-modules and "
                                   "/v1/load_lora_adapter)", registry=r)
         self.loras_loaded.set_function(loras_loaded)
-        r.register(_EngineCollector(engine_stats, speculation_stats))
+        r.register(_EngineCollector(engine_stats, speculation_stats, lora_stats))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -63,9 +64,11 @@ class ServeMetrics:
 class _EngineCollector:
     """Gauges read from the engine's counters when scraped."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int]], speculation_stats: Callable[[], dict | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int]], speculation_stats: Callable[[], dict | None],
+                 lora_stats: Callable[[], dict | None] = lambda: None) -> None:
         self._stats = engine_stats
         self._speculation = speculation_stats
+        self._lora = lora_stats
 
     def describe(self):
         return []
@@ -90,6 +93,10 @@ class _EngineCollector:
                                 value=hit / queried if queried else 0.0)
         yield CounterMetricFamily("kiln_num_preemptions", "Requests preempted (and recomputed later)",
                                   value=s["num_preemptions"])
+        lora = self._lora()
+        if lora is not None:  # with --enable-lora: adapters swapped into the engine's device slots
+            yield CounterMetricFamily("kiln_lora_slot_loads", "LoRA adapters put into a device slot (--max-loras), "
+                                      "swaps included", value=lora["slot_loads"])
         spec = self._speculation()
         if spec is not None:  # vLLM's spec_decode counters; rates are ratios of them
             yield CounterMetricFamily("kiln_spec_decode_num_drafts", "Verify steps of a request with drafts",

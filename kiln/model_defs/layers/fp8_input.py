@@ -31,6 +31,13 @@ class Fp8Consumer(NamedTuple):
     linear: nn.Module
 
     @property
+    def takes_fp8(self) -> bool:
+        """False while the linear has LoRA adapters (runtime/worker/lora_slots.py hooks them on after the model
+        is built): they multiply the float input, so the producer hands floats and the linear quantizes them
+        itself (the same numbers, one pass more)."""
+        return getattr(self.linear, "lora_hook", None) is None
+
+    @property
     def input_scale(self) -> torch.Tensor | None:
         """[1] float32, the calibrated static scale, or None for per-token dynamic scales. Read at call time:
         loading an engine replaces the layer's parameters."""

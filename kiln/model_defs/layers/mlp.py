@@ -30,7 +30,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         # x: [T, H] -> [T, 2I] -> [T, I] -> [T, H]
         gate_up = self.gate_up_proj(x)
-        if self._down_fp8 is not None:
+        if self._down_fp8 is not None and self._down_fp8.takes_fp8:
             return self.down_proj(Fp8Input(*silu_and_mul_quant(gate_up, self._down_fp8.input_scale)))
         return self.down_proj(silu_and_mul(gate_up))
 

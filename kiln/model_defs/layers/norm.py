@@ -23,13 +23,13 @@ class RMSNorm(nn.Module):
         self._fp8 = fp8_consumer(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Input:
-        if self._fp8 is not None:
+        if self._fp8 is not None and self._fp8.takes_fp8:
             return Fp8Input(*rms_norm_quant(x, self.weight, self.eps, self._fp8.input_scale))
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | Fp8Input, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): one fused kernel instead of two passes."""
-        if self._fp8 is not None:
+        if self._fp8 is not None and self._fp8.takes_fp8:
             x_q, x_scale, residual = fused_add_rms_norm_quant(x, residual, self.weight, self.eps,
                                                               self._fp8.input_scale)
             return Fp8Input(x_q, x_scale), residual

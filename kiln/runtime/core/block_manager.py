@@ -197,6 +197,45 @@ class BlockManager:
                 self._free[block.block_id] = None
                 self._free.move_to_end(block.block_id, last=False)
 
+    # ---- beams: shared tables, copy-on-write (beam_search.py) -------------------------------------
+    def fork(self, src_id: str, dst_id: str) -> None:
+        """Makes `dst_id` a table sharing every block of `src_id` (each block's reference count goes up), in a
+        list and stamp of its own; a block both will write is copied first (`copy_on_write`)."""
+        table = self._tables[src_id]
+        for block_id in table:
+            self._blocks[block_id].ref_count += 1
+        self._tables[dst_id] = list(table)
+        self._stamps[dst_id] = new_stamp()
+        self._hashes[dst_id] = list(self._hashes.get(src_id, ()))
+
+    def rename(self, src_id: str, dst_id: str) -> None:
+        """Hands `src_id`'s table (list, stamp and hashes) to `dst_id`: nothing is copied."""
+        self._tables[dst_id] = self._tables.pop(src_id)
+        self._stamps[dst_id] = self._stamps.pop(src_id)
+        if src_id in self._hashes:
+            self._hashes[dst_id] = self._hashes.pop(src_id)
+
+    def copy_on_write(self, request_id: str, position: int) -> tuple[int, int] | None | bool:
+        """Before the table writes token slot `position`: if its block is shared with another table, the table
+        takes a free block instead (a new list and stamp) and the (src, dst) copy the device must make first is
+        returned; None when the block is its own (or not allocated yet); False, changing nothing, when no block
+        is free."""
+        table = self._tables.get(request_id)
+        index = position // self.block_size
+        if table is None or index >= len(table) or self._blocks[table[index]].ref_count == 1:
+            return None
+        if not self._free:
+            return False
+        src = table[index]
+        dst = next(iter(self._free))
+        self._evict(dst)
+        self._take(dst)
+        self._blocks[src].ref_count -= 1  # still >= 1: another table holds it
+        table = self._tables[request_id] = list(table)
+        table[index] = dst
+        self._stamps[request_id] = new_stamp()
+        return src, dst
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block that no request uses."""
         for block_id in list(self._free):

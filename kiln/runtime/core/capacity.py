@@ -58,7 +58,8 @@ class GuaranteedNoEvict:
         self.num_reserved -= self._reserved.pop(request.request_id, 0)
 
     def _need(self, request: Request) -> int:
-        return self._blocks.blocks_needed(request.max_total_tokens)
+        # Beams may each end up in blocks of their own: the reservation covers all of them.
+        return self._blocks.blocks_needed(request.max_total_tokens) * max(1, request.sampling_params.beam_width)
 
 
 CapacityPolicy = MaxUtilization | GuaranteedNoEvict

@@ -9,6 +9,21 @@ from kiln.runtime.core.request_failure import RequestFailure
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput): the one of a plain request, or one beam of a
+    beam search. `index`: its rank, 0 the best. `cumulative_logprob`: the sum of its tokens' logprobs (None for
+    a plain request without logprobs); a beam's `score` is that over length ** length_penalty."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[float] | None
+    finish_reason: str | None
+    score: float | None = None  # beam search: what the beams are ranked by
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -27,6 +42,17 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # With finish_reason "error": what went wrong for this request alone (the engine went on serving).
     error: RequestFailure | None = None
+    # Beam search: the B beams, best first (the fields above describe the first); None for a plain request.
+    beam_outputs: list[CompletionOutput] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The completions, best first: one for a plain request (these fields), B for beam search. Each
+        update of a beam search holds the current best B beams whole, whatever output_kind."""
+        if self.beam_outputs is not None:
+            return list(self.beam_outputs)
+        cumulative = sum(self.logprobs) if self.logprobs is not None else None
+        return [CompletionOutput(0, self.text, list(self.token_ids), cumulative, self.logprobs, self.finish_reason)]
 
     @property
     def finished(self) -> bool:

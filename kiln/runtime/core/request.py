@@ -6,6 +6,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kiln.runtime.core.beam_search import BeamState
 from kiln.runtime.core.sampling_params import SamplingParams
 
 # An output token sampled by a step still running (async scheduling: the next step is scheduled before the
@@ -47,6 +48,14 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter it runs with (LoRARequest.lora_int_id); 0: the base model.
     lora_int_id: int = 0
+    # Beam search: its running beams, each a block table and a row of every step (beam_search.py); None for a
+    # plain request, whose one table and row go by its request id. `output_token_ids` is then the first beam's.
+    beams: BeamState | None = None
+
+    @property
+    def table_ids(self) -> list[str]:
+        """Its block tables in the block manager, one per row it computes each step."""
+        return [self.request_id] if self.beams is None else self.beams.table_ids
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -43,9 +43,11 @@ def check_fits(num_prompt_tokens: int, params: SamplingParams, max_seq_len: int,
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
             f"max_seq_len {max_seq_len}"
         )
-    needed = blocks.blocks_needed(total)
+    beams = max(1, params.beam_width)  # beams may each need blocks of their own
+    needed = blocks.blocks_needed(total) * beams
     if needed > blocks.num_blocks:
+        of = f" x {beams} beams" if beams > 1 else ""
         raise ValueError(
-            f"prompt + max_tokens = {total} tokens needs {needed} KV blocks but the cache has only "
-            f"{blocks.num_blocks}; lower max_tokens or give the cache more blocks"
+            f"prompt + max_tokens = {total} tokens{of} needs {needed} KV blocks but the cache has only "
+            f"{blocks.num_blocks}; lower max_tokens{' or n' if beams > 1 else ''} or give the cache more blocks"
         )

@@ -17,6 +17,8 @@ MAX_TOP_LOGPROBS = 20
 # What each update of a request holds (vLLM's RequestOutputKind): everything so far, what is new since the
 # previous update, or nothing until the one final update.
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# Beam search's early_stopping values (Hugging Face's and TensorRT-LLM's).
+EARLY_STOPPING = (True, False, "never")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class SamplingParams:
     guided_decoding: GuidedDecoding | None = None
     num_speculative_tokens: int | None = None
     output_kind: str = "cumulative"
+    n: int = 1
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
@@ -116,10 +122,36 @@ class SamplingParams:
                  "must be None (the engine's) or an integer >= 0 (0: not speculated)")
         _require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind,
                  f"must be one of {', '.join(OUTPUT_KINDS)}")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _require(isinstance(self.use_beam_search, bool), "use_beam_search", self.use_beam_search,
+                 "must be True or False")
+        _require(self.n == 1 or self.use_beam_search, "n", self.n,
+                 "n > 1 needs use_beam_search=True (n is the beam width; parallel sampling is not supported)")
+        _require(_is_num(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")
+        _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping", self.early_stopping,
+                 'must be True, False or "never"')
+        if not self.use_beam_search:
+            return
+        _require(self.temperature in (0, 1), "temperature", self.temperature,
+                 "must be 0 or 1 with use_beam_search (beam search is deterministic: no temperature)")
+        defaults = SamplingParams()
+        for name in ("top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "min_tokens", "guided_decoding", "prompt_logprobs", "top_logprobs"):
+            value = getattr(self, name)
+            _require(value == getattr(defaults, name), name, value,
+                     f"is not supported with use_beam_search (leave it at {getattr(defaults, name)!r})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step: n with beam search, else 0 (no beam search)."""
+        return self.n if self.use_beam_search else 0
 
     @property
     def has_penalties(self) -> bool:

@@ -67,6 +67,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     requests: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...]
+    # KV blocks to copy (src, dst) before the step runs: a block beams shared, which one of them now writes
+    # (copy-on-write, beam_search.py)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +113,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        self.blocks.free(request_id)
+        self._free(request)
         self.policy.ended(request)
         return request
 
@@ -122,42 +125,45 @@ class Scheduler:
         budget = self.limits.max_num_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        copies: list[tuple[int, int]] = []
         adapters: set[int] = set()  # the LoRA adapters this step runs (at most limits.max_loras)
+        num_rows = 0  # rows of the step: a request's beams are rows of their own (max_batch_size counts rows)
 
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or request.request_id in finishing:
                 continue  # preempted earlier in this loop, or ending
-            if budget == 0 or len(scheduled) == self.limits.max_batch_size:
+            if budget == 0 or num_rows == self.limits.max_batch_size:
                 break
+            rows = len(request.table_ids)
+            if budget < rows or num_rows + rows > self.limits.max_batch_size:
+                continue  # a request's beams run together or not at all
             if not self._adapter_fits(request, adapters):
                 continue  # its adapter waits for a step with a free slot
             # A decoding request's drafts (speculative decoding) are computed with its last token; the budget
-            # may cut them short.
-            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids), budget)
-            while not self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
+            # may cut them short. Beams advance in lockstep, each by num_new.
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids),
+                          budget // rows)
+            if not self._allocate(request, request.num_computed_tokens + num_new, preempted, copies):
                 continue
             scheduled.append((request, num_new))
             adapters.add(request.lora_int_id)
-            budget -= num_new
+            budget -= num_new * rows
+            num_rows += rows
 
         # Waiting requests start only if nobody was preempted this step (memory is known to be short).
-        while self.waiting and not preempted and budget > 0 and len(scheduled) < self.limits.max_batch_size:
+        while self.waiting and not preempted and budget > 0 and num_rows < self.limits.max_batch_size:
             request = self.waiting[0]
-            if not self.policy.admits(request) or not self._adapter_fits(request, adapters):
+            rows = len(request.table_ids)
+            if not self.policy.admits(request) or not self._adapter_fits(request, adapters) or \
+                    budget < rows or num_rows + rows > self.limits.max_batch_size:
                 break  # first come, first served: nobody overtakes the head of the queue
             # A preempted request looks up its generated tokens too: its own blocks may still be cached.
             # Prompt logprobs need every prompt position computed, so those requests skip the cache.
             prefix = CachedPrefix()
             if not request.sampling_params.prompt_logprobs:
-                prefix = self.blocks.find_cached_prefix(request.all_token_ids, request.lora_int_id)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            if not self.blocks.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
+                prefix = self._cached_prefix(request)
+            num_new = min(request.num_tokens - prefix.num_tokens, budget // rows)
+            if not self._admit(request, prefix.num_tokens + num_new, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.num_preemptions == 0:
@@ -169,12 +175,58 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             adapters.add(request.lora_int_id)
-            budget -= num_new
+            budget -= num_new * rows
+            num_rows += rows
 
         return SchedulerOutput(
-            requests=tuple(self._describe(r, n) for r, n in scheduled),
+            requests=tuple(row for r, n in scheduled for row in self._describe(r, n)),
             preempted_ids=tuple(preempted),
+            block_copies=tuple(copies),
         )
+
+    def _allocate(self, request: Request, num_tokens: int, preempted: list[str],
+                  copies: list[tuple[int, int]]) -> bool:
+        """Gives each of a running request's tables blocks for `num_tokens` tokens (and beams' shared blocks
+        they write their own copy, added to `copies`), preempting the newest running requests while blocks are
+        short; False when that preempted `request` itself."""
+        mine: list[tuple[int, int]] = []
+        for table_id in request.table_ids:
+            while True:
+                ok = self.blocks.allocate(table_id, num_tokens)
+                if ok and request.beams is not None:
+                    copy = self.blocks.copy_on_write(table_id, request.num_computed_tokens)
+                    ok = copy is not False
+                    if copy:
+                        mine.append(copy)
+                if ok:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return False
+        copies.extend(mine)
+        return True
+
+    def _cached_prefix(self, request: Request) -> CachedPrefix:
+        """The cached prefix a waiting request starts from. Beams start from their prompt's, which all of them
+        share (they advance in lockstep); what a preempted beam generated is recomputed."""
+        tokens = request.all_token_ids if request.beams is None else request.prompt_token_ids
+        return self.blocks.find_cached_prefix(tokens, request.lora_int_id)
+
+    def _admit(self, request: Request, num_tokens: int, prefix: CachedPrefix) -> bool:
+        """Allocates a waiting request's tables (each starting with `prefix`), all or none."""
+        tables = request.table_ids
+        for k, table_id in enumerate(tables):
+            if not self.blocks.allocate(table_id, num_tokens, prefix):
+                for done in tables[:k]:
+                    self.blocks.free(done)
+                return False
+        return True
+
+    def _free(self, request: Request) -> None:
+        for table_id in request.table_ids:
+            self.blocks.free(table_id)
 
     def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
         """Whether the step can run `request` beside the adapters it already runs (the base model is free)."""
@@ -182,25 +234,32 @@ class Scheduler:
         return limit is None or not request.lora_int_id or request.lora_int_id in adapters or \
             len(adapters - {0}) < limit
 
-    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _describe(self, request: Request, num_new: int) -> list[ScheduledRequest]:
+        """The request's rows of the step: one, or one per beam (named by its table id)."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         known_end = min(end, request.num_tokens)
+        num_sampled = end - request.num_tokens + 1 if end >= request.num_tokens else 0
+        if request.beams is not None:
+            return [ScheduledRequest(table_id, tuple(request.beams.token_slice(k, request.prompt_token_ids, start, end)),
+                                     start, self.blocks.block_table(table_id), request.num_prompt_tokens,
+                                     num_sampled, request.lora_int_id)
+                    for k, table_id in enumerate(request.table_ids)]
         tokens = request.token_slice(start, known_end)
         if end > known_end:
             tokens = tokens + request.draft_token_ids[:end - known_end]
-        return ScheduledRequest(
+        return [ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(tokens),
             start_position=start,
             block_ids=self.blocks.block_table(request.request_id),
             num_prompt_tokens=request.num_prompt_tokens,
-            num_sampled=end - request.num_tokens + 1 if end >= request.num_tokens else 0,
+            num_sampled=num_sampled,
             lora_int_id=request.lora_int_id,
-        )
+        )]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.blocks.free(request.request_id)
+        self._free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.draft_token_ids = []

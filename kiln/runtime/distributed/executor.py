@@ -21,10 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
+from kiln.checkpoints.lora_adapter import LoRAAdapter
 from kiln.engine_format import EngineError
+from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.distributed.channel import PipeSender
 from kiln.runtime.distributed.group import RankGroups
 from kiln.runtime.distributed.launch import RankLaunch, start_local_workers
+from kiln.runtime.distributed.lora_sync import RankZeroLoRA
 from kiln.runtime.distributed.rank import join, rank_runtime, start_runner
 from kiln.runtime.distributed.step_codec import StepEncoder, encode_start
 from kiln.runtime.distributed.store import SECRET_VARIABLE, launch_secret, new_secret
@@ -76,6 +79,8 @@ class TPExecutor:
             error = EngineError(self._describe(e, "starting"))
             self.shutdown()
             raise error from e
+        lora = self.runner.lora  # enable_lora: the ranks' adapters follow rank 0's (lora_sync.py)
+        self._lora = None if lora is None else RankZeroLoRA(lora, self._send_bytes, self.groups.gather_texts)
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.memory_report = self.runner.memory_report
         self.graph_capture_seconds = self.runner.graph_capture_seconds
@@ -96,6 +101,47 @@ class TPExecutor:
             raise EngineError(self._describe(e, "running a step")) from e
         finally:
             self._step_started = None
+
+    def add_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Keeps the adapter `request` names on every rank, each its slice (`lora_sync.py`): `adapter`, already
+        read, or read here on rank 0 when None and not held; the other ranks read it themselves the first time.
+        A ValueError says why it cannot be served (naming the other ranks that refused it), and the engine goes
+        on. Only on an executor made with enable_lora."""
+        if self._lora is None:
+            raise ValueError("a lora_request needs the engine started with enable_lora=True (--enable-lora)")
+        if self.fault is not None:
+            raise EngineError(self.fault)
+        self._step_started = time.monotonic()  # the watcher's stuck-collective clock, as for a step
+        try:
+            self._lora.add(request, adapter)
+        except ValueError:  # the adapter's refusal (rank 0's, or the others' gathered): the engine goes on
+            raise
+        except Exception as e:  # the channel or a collective failed: a rank is gone
+            raise EngineError(self._describe(e, f"adding LoRA adapter {request.lora_name!r}")) from e
+        finally:
+            self._step_started = None
+
+    def holds_lora(self, lora_int_id: int) -> bool:
+        """Whether rank 0 has the adapter in host memory (safe from any thread)."""
+        return self._lora is not None and self._lora.slots.holds(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int, pinned: bool) -> None:
+        """A live request naming the (added) adapter arrives (True) or leaves (False): pinned adapters stay in
+        rank 0's host memory, and so in the others' (what rank 0 evicts, they forget)."""
+        slots = self._lora.slots
+        if pinned:
+            slots.pin(lora_int_id)
+            return
+        slots.unpin(lora_int_id)
+        if self.fault is None and not self._closing.is_set():
+            try:
+                self._lora.sync_drops()
+            except Exception as e:  # a rank is gone: the next step raises the fault this records
+                logger.error("%s", self._describe(e, "dropping LoRA adapters"))
+
+    def lora_stats(self) -> dict[str, int]:
+        """Rank 0's `LoRASlots.stats` (every rank holds the same adapters)."""
+        return self._lora.slots.stats()
 
     def shutdown(self) -> None:
         """Stops every rank: tells the others to stop, waits for the ones it started, leaves the groups."""
@@ -132,7 +178,10 @@ class TPExecutor:
 
     def _send(self, step: StepInput | None) -> None:
         """The next step (None: stop) to every other rank."""
-        data = self._encoder.encode(step)
+        self._send_bytes(self._encoder.encode(step))
+
+    def _send_bytes(self, data: bytes) -> None:
+        """A message to every other rank, in order after the ones before it."""
         if self._pipes is not None:
             self._pipes.send(data)
         else:

@@ -37,6 +37,8 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 DESTROY_TIMEOUT_S = 10.0
 # A step frame over gloo longer than this is not rank 0's (see channel.MAX_FRAME_BYTES).
 MAX_STEP_BYTES = 1 << 30
+# A rank's reply (gather_texts: an error message) is cut to this many bytes.
+MAX_REPLY_BYTES = 4096
 _MAC_BYTES = hashlib.sha256().digest_size
 _ERROR_KEY = "kiln/error/rank{}"
 _STOPPED_KEY = "kiln/stopped/rank{}"
@@ -103,6 +105,21 @@ class RankGroups:
         t = torch.tensor([value], dtype=torch.int64)
         self.cpu_group.all_reduce(t, dist.ReduceOp.MIN)
         return int(t.item())
+
+    def gather_texts(self, text: str) -> list[str]:
+        """Every rank's `text`, in rank order, on every rank (collective over the CPU group: each rank calls
+        it at the same point of rank 0's messages). What a rank says back about a message (`lora_sync.py`)."""
+        data = text.encode()[:MAX_REPLY_BYTES]
+        lengths = torch.empty(self.world_size, dtype=torch.int64)
+        self.cpu_group.all_gather_into(lengths, torch.tensor([len(data)], dtype=torch.int64))
+        width = max(1, int(lengths.max()))
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        texts = torch.empty(self.world_size * width, dtype=torch.uint8)
+        self.cpu_group.all_gather_into(texts, mine)
+        raw = texts.numpy().tobytes()
+        return [raw[r * width:r * width + int(n)].decode(errors="replace") for r, n in enumerate(lengths.tolist())]
 
     def post_error(self, message: str) -> None:
         """Leaves this rank's last words where rank 0 reads them (best effort: the store may be gone)."""

@@ -2,7 +2,8 @@
 
 Rank 0 sends the other ranks two kinds of message: once, a worker's start arguments (`encode_start`: the engine
 directory, its `RuntimeConfig`, its `RankLaunch`, the KV-cache scales and the log level), then one `StepInput`
-per step and a stop (`StepEncoder.encode(None)`). A pickle runs whatever code its bytes name, so a rank that
+per step and a stop (`StepEncoder.encode(None)`); between steps, the LoRA adapters the ranks are to hold
+(`lora_sync.py`). A pickle runs whatever code its bytes name, so a rank that
 unpickled what reached it from a pipe or a socket would run whatever a writer to it chose; here every message is
 JSON that the decoder checks field by field (names, types, ranges, lengths) and rejects with a `StepCodecError`
 naming the field, anything else included.
@@ -34,8 +35,10 @@ from typing import Any
 import torch
 
 from kiln.runtime.core.block_table import BlockTable
+from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.distributed.launch import RankLaunch
+from kiln.runtime.distributed.lora_sync import LoRADrop, decode_lora
 from kiln.runtime.distributed.wire_checks import (
     FORMAT_VERSION,
     StepCodecError,
@@ -57,7 +60,7 @@ INT64_END = 2 ** 63  # block-table stamps
 # run are scheduled every step; one that sat out longer gets its table sent whole again).
 LEDGER_STEPS = 32
 _STEP_KEYS = frozenset({"kind", "v", "ids", "ntok", "tokens", "start", "nprompt", "nsampled", "stamp", "nblk",
-                        "have", "blocks", "preempted", "targets", "lora"})
+                        "have", "blocks", "preempted", "targets", "lora", "copies"})
 _STOP_KEYS = frozenset({"kind", "v"})
 _START_KEYS = frozenset({"kind", "v", "engine_dir", "runtime", "launch", "kv_cache_scales", "log_level"})
 # The wire form of each RuntimeConfig / RankLaunch field; a field added there without one here is refused by
@@ -151,7 +154,8 @@ class StepEncoder:
             data = _DUMPS({"kind": "step", "v": FORMAT_VERSION, "ids": ids, "ntok": ntok, "tokens": tokens,
                            "start": start, "nprompt": nprompt, "nsampled": nsampled, "stamp": stamps, "nblk": nblk,
                            "have": have, "blocks": blocks, "preempted": list(step.schedule.preempted_ids),
-                           "targets": targets, "lora": lora}).encode()
+                           "targets": targets, "lora": lora,
+                           "copies": [b for pair in step.schedule.block_copies for b in pair]}).encode()
         except (TypeError, ValueError) as e:  # e.g. a numpy integer among the token ids
             raise StepCodecError(f"step has a value with no JSON form: {e}") from None
         for stamp, n in sent.items():
@@ -166,8 +170,9 @@ class StepDecoder:
     def __init__(self) -> None:
         self._ledger = _Ledger()  # stamp -> the table's block list (append-only, shared by its BlockTables)
 
-    def decode(self, data: bytes) -> StepInput | None:
-        """The `StepInput` that `StepEncoder.encode` made (None: stop). StepCodecError for anything else: not
+    def decode(self, data: bytes) -> StepInput | LoRARequest | LoRADrop | None:
+        """The `StepInput` that `StepEncoder.encode` made (None: stop; a LoRARequest or LoRADrop: `lora_sync`'s
+        messages, an adapter to hold or ones to forget). StepCodecError for anything else: not
         JSON, a missing or unknown field, a value of the wrong type or out of range, columns of different
         lengths, a block table that does not continue what this rank holds. A decoder that raised may hold part
         of the failed step: a worker ends at its first error."""
@@ -176,8 +181,11 @@ class StepDecoder:
         if kind == "stop":
             check_keys(message, _STOP_KEYS, "stop message")
             return None
+        if kind in ("lora", "lora_drop"):
+            return decode_lora(message)
         if kind != "step":
-            raise StepCodecError(f"step channel: unknown message kind {kind!r} (expected 'step' or 'stop')")
+            raise StepCodecError(f"step channel: unknown message kind {kind!r} (expected 'step', 'lora', "
+                                 f"'lora_drop' or 'stop')")
         check_keys(message, _STEP_KEYS, "step")
         ids = str_list(message, "ids")
         n = len(ids)
@@ -198,6 +206,10 @@ class StepDecoder:
         tokens = int_list(message, "tokens", 0, INT32_END, sum(ntok))
         blocks = int_list(message, "blocks", 0, INT32_END, sum(nblk) - sum(have))
         preempted = str_list(message, "preempted")
+        copies = int_list(message, "copies", 0, INT32_END, None)
+        if len(copies) % 2:
+            raise StepCodecError(f"step field 'copies' has {len(copies)} entries: (src, dst) block pairs need an "
+                                 f"even number")
         targets = _targets(message["targets"])
         if len(set(ids)) != n:
             raise StepCodecError("step field 'ids': a request id appears twice")
@@ -232,7 +244,8 @@ class StepDecoder:
                                              BlockTable(ids_list, count, stamp), nprompt[i], nsampled[i], lora[i]))
             t, b = t_end, b_end
         ledger.end_step()
-        return StepInput(SchedulerOutput(tuple(requests), tuple(preempted)), targets)
+        return StepInput(SchedulerOutput(tuple(requests), tuple(preempted),
+                                         tuple(zip(copies[::2], copies[1::2]))), targets)
 
 
 def _targets(value: Any) -> dict[str, PromptLogprobTarget]:

@@ -1,5 +1,6 @@
 """Ranks 1..N-1 of a tensor-parallel engine: start like rank 0, then run each step rank 0 sends until it
-says stop. They sample nothing: rank 0 owns the scheduler, block manager and sampler."""
+says stop (and read each LoRA adapter it names, `lora_sync.py`). They sample nothing: rank 0 owns the
+scheduler, block manager and sampler."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import NoReturn
 from kiln.runtime.distributed.channel import PipeReceiver
 from kiln.runtime.distributed.group import RankGroups
 from kiln.runtime.distributed.launch import RankLaunch
+from kiln.runtime.distributed.lora_sync import apply_on_worker
 from kiln.runtime.distributed.rank import join, rank_runtime, start_runner
 from kiln.runtime.distributed.step_codec import StepDecoder
 from kiln.runtime.worker.engine_loader import RuntimeConfig, engine_info, open_engine_spec
+from kiln.runtime.worker.model_step import StepInput
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -44,8 +47,11 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
         _watch_rank0(groups)
         receive = groups.receive_step if steps is None else steps.receive
         decoder = StepDecoder()  # checks every message against the step schema (never unpickles)
-        while (step := decoder.decode(receive())) is not None:
-            runner.execute(step)
+        while (message := decoder.decode(receive())) is not None:
+            if isinstance(message, StepInput):
+                runner.execute(message)
+            else:  # a LoRA adapter to hold or ones to forget; a refusal is rank 0's to report
+                apply_on_worker(runner.lora, message, groups.gather_texts)
         runner.release_graphs()
     except BaseException as e:  # every failure ends the rank; what matters is that rank 0 hears why
         _die(groups, launch.rank, e)

@@ -97,9 +97,14 @@ class AsyncLLM:
         guided = sampling_params.guided_decoding if isinstance(sampling_params, SamplingParams) else None
         if guided is not None:
             await self.compile_guide(guided)
+        adapter = None
+        if lora_request is not None and not self.engine.lora.holds(lora_request):
+            # Read from disk here, in the loop's default executor: on the engine thread a slow disk would stall
+            # every running request. A bad adapter raises its ValueError naming it.
+            adapter = await loop.run_in_executor(None, self.engine.lora.read, lora_request)
         sink: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", prompt, sampling_params, request_id, lora_request, loop, sink, added))
+        self._send(("add", prompt, sampling_params, request_id, lora_request, adapter, loop, sink, added))
         try:
             request_id = await asyncio.wrap_future(added)
         except asyncio.CancelledError:  # cancelled while the engine adds it: abort it once added
@@ -171,6 +176,11 @@ class AsyncLLM:
         """Speculative decoding's counters (None without it); plain counters, safe from any thread."""
         return self.engine.speculation_stats()
 
+    def lora_stats(self) -> dict[str, int] | None:
+        """LoRA adapters' counters (`LLM.lora_stats`; None without enable_lora); plain counters, safe from any
+        thread."""
+        return self.engine.lora.stats()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts what is running and stops the engine thread."""
         if self._thread.is_alive():
@@ -237,10 +247,12 @@ class AsyncLLM:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, prompt, params, request_id, lora_request, loop, sink, added = command
+            _, prompt, params, request_id, lora_request, adapter, loop, sink, added = command
             if not added.set_running_or_notify_cancel():  # its caller was cancelled before it got here
                 return
             try:
+                if adapter is not None:  # read by generate: only kept here
+                    self.engine.lora.admit(lora_request, adapter)
                 request_id = self.engine.add_request(prompt, params, request_id, lora_request)
             except Exception as e:  # invalid input (ValueError, TypeError) or a failure of this request alone
                 added.set_exception(e)

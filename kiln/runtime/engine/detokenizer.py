@@ -82,6 +82,11 @@ class IncrementalDetokenizer:
         return self._emitted + self._pending()
 
     @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer it decodes with (None: no tokenizer)."""
+        return self._tokenizer
+
+    @property
     def stop_matched(self) -> str | None:
         """The stop string that ended the text, or None."""
         return self._stop_matched

@@ -9,46 +9,35 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.runtime.core.block_manager import BlockManager
 from kiln.runtime.core.capacity import capacity_policy
 from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.core.outputs import RequestOutput
-from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
+from kiln.runtime.core.request import Request, RequestStatus
 from kiln.runtime.core.request_checks import Prompt, check_fits, tokenize_prompt
 from kiln.runtime.core.request_failure import RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kiln.runtime.engine.beam_stage import BeamStage, check_beam_search, start_beams
+from kiln.runtime.engine.launched import Launched, token_feed
+from kiln.runtime.engine.lora_admission import LoRAAdmission
 from kiln.runtime.engine.text_stage import TextStage
 from kiln.runtime.engine.tracked_request import TrackedRequest
 from kiln.runtime.sampling.min_tokens import apply_min_tokens
 from kiln.runtime.sampling.prompt_logprobs import PromptLogprobTarget
-from kiln.runtime.sampling.sampler import DeviceSample, Sampler
+from kiln.runtime.sampling.sampler import Sampler
 from kiln.runtime.sampling.token_mask import TokenMasker
 from kiln.runtime.speculative.speculator import verification_rows
 from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
 from kiln.runtime.worker.executor import Executor
 from kiln.runtime.worker.memory import MemoryReport
-from kiln.runtime.worker.model_step import StepInput, TokenFeed
+from kiln.runtime.worker.model_step import StepInput
 
 if TYPE_CHECKING:
     from kiln.runtime.sampling.guided_masker import GuidedMasker
     from kiln.runtime.speculative.speculator import Speculator
-
-
-@dataclass(frozen=True)
-class _Launched:
-    """A step whose tokens are not read back yet."""
-
-    schedule: SchedulerOutput
-    request_ids: tuple[str, ...]  # the scheduled requests, in schedule order
-    logits_offsets: tuple[int, ...]  # request i's sampled rows: [offsets[i], offsets[i + 1])
-    sample: DeviceSample | None  # the sampled tokens, still on the device
-    # Whether the next step may be scheduled before this one's tokens are read back (async scheduling):
-    # nothing the next step's sampling needs depends on their values.
-    feeds_forward: bool = False
 
 
 class LLMEngine:
@@ -78,7 +67,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(info.model_config.eos_token_ids)
         self._tracked: dict[str, TrackedRequest] = {}
         self._ids = itertools.count()
-        self._inflight: _Launched | None = None
+        self._inflight: Launched | None = None
         # Async scheduling: schedule and launch step N+1 before step N's tokens are read back, its input
         # tokens fed from N's samples on the device, so the host's work overlaps the GPU's. On by default
         # where the host and the device run side by side (CUDA); the CPU computes inside the launch, where
@@ -93,6 +82,9 @@ class LLMEngine:
         # Requests ended by a failure of their own since the last step() returned: their final updates.
         self._failed: list[RequestOutput] = []
         self.num_preemptions = 0
+        self.beams = BeamStage(self.block_manager, runtime.max_seq_len)  # beam search's part of each step
+        # Adapters of LoRA requests: read off the engine thread (AsyncLLM), admitted and pinned here.
+        self.lora = LoRAAdmission(executor, runtime, info.model_config)
 
     @property
     def memory_report(self) -> MemoryReport:
@@ -131,36 +123,29 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Queues a request; `lora_request`: the LoRA adapter it runs with (None: the base model), read here
-        so that an adapter that cannot be served is a ValueError naming it before anything is scheduled."""
+        unless already held (`self.lora.admit`: AsyncLLM reads it on a worker thread first), so that an adapter
+        that cannot be served is a ValueError naming it before anything is scheduled."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if lora_request is not None:
-            self._add_lora(lora_request)
+            self.lora.admit(lora_request)
         token_ids = self.tokenize(prompt)
         self.check_fits(len(token_ids), params)
+        if params.use_beam_search:
+            check_beam_search(params, self.info.config.build.max_beam_width, self.runtime, self.speculator)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.guided_decoding is not None:  # compiles it: a bad constraint fails before scheduling
             self.guided_masker().add_request(request_id, params.guided_decoding)
         request = Request(request_id, token_ids, params, self.eos_token_ids,
-                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id)
+                          lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
+                          beams=start_beams(request_id, params, self.eos_token_ids))
         self._tracked[request_id] = TrackedRequest.start(request, self.tokenizer, self.runtime.device)
         self.scheduler.add_request(request)
+        self.lora.pin(request_id, request.lora_int_id)  # until _release
         return request_id
-
-    def _add_lora(self, lora_request: LoRARequest) -> None:
-        if not isinstance(lora_request, LoRARequest):
-            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if not self.runtime.enable_lora:
-            raise ValueError(f"lora_request {lora_request.lora_name!r} needs the engine started with "
-                             f"enable_lora=True (--enable-lora)")
-        try:
-            self.executor.add_lora(lora_request)
-        except ValueError as e:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} (lora_int_id={lora_request.lora_int_id}, "
-                             f"{lora_request.lora_path}): {e}") from None
 
     def guided_masker(self) -> GuidedMasker:
         """The engine's GuidedMasker (the token masker of guided decoding), made on first use; a ValueError
@@ -225,18 +210,19 @@ class LLMEngine:
         if overlap:
             self._complete(inflight, resolve=True)
         outputs = self._text.emit(final_only, self._stop, self._fail)
+        outputs.extend(self.beams.emit(final_only))
         if self._failed:
             outputs.extend(self._failed)
             self._failed = []
         return outputs
 
-    def _launch(self, scheduled: SchedulerOutput, previous: _Launched | None = None) -> _Launched:
+    def _launch(self, scheduled: SchedulerOutput, previous: Launched | None = None) -> Launched:
         """Runs the network and queues the sampling of a scheduled step. `previous`: the step still in flight
         whose sampled tokens are this step's PLACEHOLDER inputs (async scheduling)."""
-        requests = [self._tracked[r.request_id].request for r in scheduled.requests]
+        requests = [self.beams.owner(r.request_id, self._tracked).request for r in scheduled.requests]
         targets = {r.request_id: PromptLogprobTarget(r.prompt_token_ids, r.sampling_params.prompt_top_logprobs)
                    for r in requests if r.sampling_params.prompt_logprobs}
-        result = self.executor.execute(StepInput(scheduled, targets, _token_feed(scheduled, previous)))
+        result = self.executor.execute(StepInput(scheduled, targets, token_feed(scheduled, previous)))
         for request_id, (first, values, tops) in result.prompt_logprobs.items():
             tracked = self._tracked[request_id]
             tracked.prompt_logprobs[first + 1:first + 1 + len(values)] = values
@@ -245,11 +231,12 @@ class LLMEngine:
         offsets = result.logits_offsets
         if offsets[-1] == len(result.request_ids) and all(offsets[i] == i for i in range(len(offsets))):
             row_ids = list(result.request_ids)  # one row each: a decode batch, the common case
-            rows = [self._tracked[rid].sampling_row() for rid in row_ids]
+            rows = [self.beams.sampling_row(rid, self._tracked) for rid in row_ids]
         else:  # several rows of a request: verified drafts, seen by each row as accepted so far
             row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
-            rows = verification_rows(scheduled.requests, offsets, lambda rid: self._tracked[rid].sampling_row())
-        sample = None
+            rows = verification_rows(scheduled.requests, offsets,
+                                     lambda rid: self.beams.sampling_row(rid, self._tracked))
+        sample = beams = None
         if row_ids:
             vocab_size, device = result.logits.shape[1], result.logits.device
             mask = None
@@ -262,12 +249,13 @@ class LLMEngine:
             if self.speculator is not None:
                 drafts = self.speculator.draft_rows(scheduled.requests, offsets, vocab_size, device)
             sample = self.sampler.sample(result.logits, rows, mask, drafts)
+            beams = self.beams.launch(result.logits, row_ids, self._tracked)
         feeds_forward = self.async_scheduling and self.token_masker is None and \
             all(offsets[i + 1] - offsets[i] <= 1 for i in range(len(requests))) and \
-            not any(r.sampling_params.has_penalties for r in requests)
-        return _Launched(scheduled, result.request_ids, result.logits_offsets, sample, feeds_forward)
+            not any(r.sampling_params.has_penalties or r.beams for r in requests)
+        return Launched(scheduled, result.request_ids, result.logits_offsets, sample, feeds_forward, beams)
 
-    def _complete(self, launched: _Launched, resolve: bool = False) -> None:
+    def _complete(self, launched: Launched, resolve: bool = False) -> None:
         """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
         token id or their length, checking token by token; their text is left for `TextStage.emit`. One pass
         per request: this runs between the GPU's steps, for every request in the batch. `resolve`: the step was
@@ -315,6 +303,7 @@ class LLMEngine:
                 self._text.add(tracked, token, num_output + k, last_adds_text or k < kept - 1)
             if status is not None:
                 endings.append((request_id, status))
+        endings += self.beams.complete(launched.schedule, launched.beams, self._tracked)
         if resolve:
             self.scheduler.resolve_inflight(launched.schedule, accepted)
         else:
@@ -358,6 +347,8 @@ class LLMEngine:
         self._failed.append(tracked.output())
 
     def _release(self, request_id: str) -> None:
+        """The one place a request leaves the engine (ended, aborted, failed)."""
+        self.lora.release(request_id)
         if self.token_masker is not None:
             self.token_masker.release(request_id)
         if self.speculator is not None:
@@ -382,13 +373,3 @@ class LLMEngine:
         """Speculative decoding's counters and rates (`SpeculationStats.as_dict`); None without speculation."""
         return None if self.speculator is None else self.speculator.stats.as_dict()
 
-
-def _token_feed(scheduled: SchedulerOutput, previous: _Launched | None) -> TokenFeed | None:
-    """Where each request's PLACEHOLDER input comes from: its row among the previous step's samples."""
-    if previous is None or previous.sample is None:
-        return None
-    offsets = previous.logits_offsets
-    row_of = {rid: offsets[i] for i, rid in enumerate(previous.request_ids) if offsets[i + 1] > offsets[i]}
-    rows = tuple(row_of[r.request_id] if r.token_ids and r.token_ids[-1] == PLACEHOLDER else -1
-                 for r in scheduled.requests)
-    return TokenFeed(previous.sample.token_ids, rows) if any(row >= 0 for row in rows) else None

@@ -63,9 +63,6 @@ def create_executor(info: EngineInfo, runtime: RuntimeConfig, startup: StartupLo
     # Before the first kernel launch (the ranks' load_network installs them too: once per process).
     kernels = install_engine_kernels(info.spec, runtime.device)
     startup.add("kernels", kernels.seconds, kernels.describe())
-    if runtime.enable_lora and tp_size > 1:
-        raise EngineError(f"enable_lora with tensor parallelism is not supported yet (engine {info.spec.engine_dir} "
-                          f"has tp_size={tp_size}): run without --enable-lora or use a tp_size=1 engine")
     if tp_size == 1:
         with startup.stage("weights"):
             model = load_network(info, runtime.device)

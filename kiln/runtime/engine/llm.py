@@ -115,10 +115,12 @@ class LLM:
         return [final[i] for i in ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> Iterator[RequestOutput]:
         """Yields a cumulative RequestOutput each time a request advances, until all have finished.
-        `abort(request_id)` during iteration ends that request; leaving the loop early aborts the rest."""
-        ids = self._add_all(prompts, sampling_params)
+        `abort(request_id)` during iteration ends that request; leaving the loop early aborts the rest.
+        `lora_request`: as in `generate`."""
+        ids = self._add_all(prompts, sampling_params, lora_request)
         pending = set(ids)
         self._streamed |= pending
         try:
@@ -148,6 +150,12 @@ class LLM:
     def speculation_stats(self) -> dict | None:
         """Speculative decoding's acceptance counters and rates (None when the engine does not speculate)."""
         return self.engine.speculation_stats()
+
+    def lora_stats(self) -> dict[str, int] | None:
+        """LoRA adapters' counters (None without enable_lora): slot_loads (adapters put in a device slot, swaps
+        included), disk_reads (read on the engine's thread), host_adapters (kept in host memory),
+        pinned_adapters (those live requests use, never evicted), device_slots (max_loras)."""
+        return self.engine.lora.stats()
 
     def shutdown(self) -> None:
         """Releases the engine now rather than at exit (a tensor-parallel engine's other ranks stop)."""

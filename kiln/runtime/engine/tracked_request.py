@@ -10,6 +10,7 @@ import torch
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.request import Request
 from kiln.runtime.core.request_failure import RequestFailure
+from kiln.runtime.engine.beam_output import beam_request_output
 from kiln.runtime.engine.detokenizer import IncrementalDetokenizer
 from kiln.runtime.sampling.sampler import SamplingRow
 
@@ -57,6 +58,8 @@ class TrackedRequest:
         """The request's output so far (lists copied: the caller may keep it), or with output_kind "delta" what
         is new since the previous call: tokens up to `upto` (the tokens an update covers; default all)."""
         r = self.request
+        if r.beams is not None:  # beam search: its beams whole, whatever output_kind
+            return beam_request_output(self)
         text = self.detokenizer.readable_text(r.status.finished)  # never cut later: what was sent stays its prefix
         if r.sampling_params.output_kind != "delta":
             return self._window(0, len(r.output_token_ids), text, with_prompt=True)

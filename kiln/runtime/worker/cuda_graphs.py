@@ -9,13 +9,19 @@ Every tensor a graph reads or writes is allocated here once and never reallocate
 addresses. The host side fills pinned staging buffers (graph_inputs.py), copied to the device buffers before
 each replay; the block tables come from a `BlockTableMirror` that writes only the blocks each table gained since the step
 before, then gathers the batch's rows into the staging buffer in batch order.
+
+With LoRA adapters (`lora`), each graph also reads a [G] int32 buffer of the rows' adapter slots (-1: the base
+model, and every padding row): the LoRA hooks' kernels are captured reading it, so one graph serves any mix of
+adapters and the base model (worker/lora_slots.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +34,9 @@ from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
 from kiln.runtime.worker.step_inputs import rope_length, slot_of
+
+if TYPE_CHECKING:
+    from kiln.runtime.worker.lora_slots import LoRASlots
 
 # A padding row of the int buffers (input_ids, positions, rope_lengths, slot_mapping, feed row): it writes
 # nothing.
@@ -85,16 +94,20 @@ class DecodeGraphs:
 
     def __init__(self, model: CausalLM, kv_caches: tuple[LayerCache, ...], *,
                  max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
-                 kv_scales: tuple[LayerScales, ...] | None = None) -> None:
+                 kv_scales: tuple[LayerScales, ...] | None = None, lora: LoRASlots | None = None) -> None:
         self.model = model
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
         g, mb = max_batch_size, max_blocks_per_seq
         # Device buffers read by every graph and their pinned staging (graph_inputs.py):
         # ints: [5, G] int64 rows = input_ids, positions, rope_lengths, slot_mapping, feed rows (the row of
-        # _fed whose token replaces the input id, -1: none); seq_lens: [G] int32; tables: [G, MB] int32.
-        self._inputs = GraphInputs({"ints": ((5, g), torch.int64), "seq_lens": ((g,), torch.int32),
-                                    "tables": ((g, mb), torch.int32)}, device)
+        # _fed whose token replaces the input id, -1: none); seq_lens: [G] int32; tables: [G, MB] int32;
+        # with LoRA, lora: [G] int32 each row's adapter slot (-1: none).
+        specs = {"ints": ((5, g), torch.int64), "seq_lens": ((g,), torch.int32), "tables": ((g, mb), torch.int32)}
+        self._lora = lora
+        if lora is not None:
+            specs["lora"] = ((g,), torch.int32)
+        self._inputs = GraphInputs(specs, device)
         self._ints, self._seq_lens, self._tables = (self._inputs.buffers[k] for k in ("ints", "seq_lens", "tables"))
         self._fed = torch.zeros(g, dtype=torch.int64, device=device)  # [G] the previous step's sampled tokens
         self._query_start_loc = torch.arange(g + 1, dtype=torch.int32, device=device)  # one token per sequence
@@ -116,7 +129,8 @@ class DecodeGraphs:
         # Async scheduling: a row's input id is the token the previous step sampled for it, fed on the device.
         rows = self._ints[4, :size]  # [size] int64
         input_ids = torch.where(rows >= 0, self._fed.gather(0, rows.clamp(min=0)), self._ints[0, :size])
-        hidden = self.model(input_ids, self._context(size))  # [size, H]
+        with self._lora.reading(self._inputs.buffers["lora"][:size]) if self._lora is not None else nullcontext():
+            hidden = self.model(input_ids, self._context(size))  # [size, H]
         return self.model.compute_logits(hidden)  # [size, V] float32
 
     @torch.inference_mode()
@@ -131,6 +145,8 @@ class DecodeGraphs:
         self._ints[4].fill_(-1)
         self._tables.zero_()
         self._seq_lens.zero_()
+        if self._lora is not None:
+            self._inputs.buffers["lora"].fill_(-1)
         capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._logits)
         return time.perf_counter() - start
 
@@ -146,9 +162,11 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_batch_size
 
-    def run(self, batch: DecodeBatch, fed_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch: DecodeBatch, fed_tokens: torch.Tensor | None = None,
+            lora_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Replays the graph for `batch`; returns its logits [len(batch), V] float32, valid until the next run.
-        `fed_tokens`: [B] int64 on the device, the previous step's sampled tokens that `batch.feed_rows` index."""
+        `fed_tokens`: [B] int64 on the device, the previous step's sampled tokens that `batch.feed_rows` index;
+        `lora_rows`: each row's adapter slot (`LoRASlots.place`; None: no row has one)."""
         n = len(batch)
         size = next(s for s in self.sizes if s >= n)
         stage = self._inputs.stage()
@@ -162,6 +180,10 @@ class DecodeGraphs:
         seq_lens[:n] = batch.positions
         seq_lens[:n] += 1
         seq_lens[n:size] = 0
+        if self._lora is not None:
+            lora = stage["lora"].numpy()
+            lora[:n] = -1 if lora_rows is None else lora_rows
+            lora[n:size] = -1
         # Up to the batch's longest table; the stale block ids past a sequence's own blocks are never read
         # (attention stops at its length), nor those of the padding rows (length 0).
         self._mirror.gather(batch.block_tables, out=tables[:n])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kiln.checkpoints.lora_adapter import LoRAAdapter
 from kiln.model_defs import CausalLM
 from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.worker.engine_loader import RuntimeConfig
@@ -61,12 +62,29 @@ class LocalExecutor:
     def execute(self, step: StepInput) -> StepResult:
         return self.runner.execute(step)
 
-    def add_lora(self, request: LoRARequest) -> None:
-        """Reads the adapter `request` names (once; kept in host memory); a ValueError says why it cannot be
-        served. Only on an executor made with enable_lora."""
+    def add_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Keeps the adapter `request` names in host memory: `adapter`, already read (`read_lora_adapter`, off the
+        engine thread), or read here when None and not held; a ValueError says why it cannot be served. Only on
+        an executor made with enable_lora."""
         if self.runner.lora is None:
             raise ValueError("a lora_request needs the engine started with enable_lora=True (--enable-lora)")
-        self.runner.lora.register(request)
+        self.runner.lora.register(request, adapter)
+
+    def holds_lora(self, lora_int_id: int) -> bool:
+        """Whether the adapter is in host memory (safe from any thread)."""
+        return self.runner.lora is not None and self.runner.lora.holds(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int, pinned: bool) -> None:
+        """A live request naming the (added) adapter arrives (True) or leaves (False): pinned adapters stay in
+        host memory."""
+        if pinned:
+            self.runner.lora.pin(lora_int_id)
+        else:
+            self.runner.lora.unpin(lora_int_id)
+
+    def lora_stats(self) -> dict[str, int]:
+        """`LoRASlots.stats`: slot loads, disk reads, adapters in host memory and pinned."""
+        return self.runner.lora.stats()
 
     def shutdown(self) -> None:
         pass

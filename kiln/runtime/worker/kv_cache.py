@@ -65,6 +65,13 @@ class KVCache:
         """Device bytes one block takes over all layers (keys and values); the scales are not counted."""
         return block_size * KVCache.bytes_per_token(config, dtype)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies block src to block dst, every layer's keys and values, for each (src, dst) (beam search's
+        copy-on-write). In place: the storage CUDA graphs read stays where it is."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.storage.device)  # [C]
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.storage.device)  # [C]
+        self.storage.index_copy_(2, dst, self.storage.index_select(2, src))
+
     @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()

@@ -18,6 +18,7 @@ import torch
 
 from kiln.engine_format import Mapping
 from kiln.model_defs import CausalLM
+from kiln.plugins._triton import USE_TRITON
 from kiln.runtime.sampling.prompt_logprobs import prompt_logprobs
 from kiln.runtime.worker import memory
 from kiln.runtime.worker.cuda_graphs import DecodeGraphs, decode_batch
@@ -78,7 +79,7 @@ class ModelRunner:
         if limits.lora is not None:
             self.lora = LoRASlots(model, model.config, max_loras=limits.lora.max_loras,
                                   max_lora_rank=limits.lora.max_lora_rank, max_cpu_loras=limits.lora.max_cpu_loras,
-                                  device=device, dtype=next(model.parameters()).dtype)
+                                  device=device, dtype=next(model.parameters()).dtype, mapping=mapping)
         fraction = limits.kv_cache_memory_fraction
         activation = 0
         if device.type == "cuda":
@@ -104,9 +105,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
         graph_bytes = 0
-        if device.type == "cuda" and limits.cuda_graphs and self.lora is not None:
-            # The graphs' inputs do not carry the per-token LoRA slots yet: steps run eagerly.
-            logger.info("enable_lora: CUDA graphs are not captured (steps run eagerly)")
+        if device.type == "cuda" and limits.cuda_graphs and self.lora is not None and not USE_TRITON:
+            # lora_add's reference reads the slots on the host: it cannot be captured.
+            logger.info("enable_lora without Triton kernels: CUDA graphs are not captured (steps run eagerly)")
         elif device.type == "cuda" and limits.cuda_graphs:
             graph_bytes = self._capture_graphs(fraction)
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
@@ -125,11 +126,11 @@ class ModelRunner:
         try:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, max_batch_size=self.limits.max_batch_size,
                                        max_blocks_per_seq=max_blocks, device=self.device,
-                                       kv_scales=self.kv_cache.scales)
+                                       kv_scales=self.kv_cache.scales, lora=self.lora)
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache.layers,
                                                 max_num_tokens=self.limits.max_num_tokens,
                                                 max_blocks_per_seq=max_blocks, block_size=self.block_size,
-                                                device=self.device, kv_scales=self.kv_cache.scales)
+                                                device=self.device, kv_scales=self.kv_cache.scales, lora=self.lora)
             # One memory pool: no two graphs run at once. Prefill first: its largest size needs the most.
             pool = torch.cuda.graph_pool_handle()
             prefill_seconds = self.prefill_graphs.capture(pool)
@@ -159,15 +160,19 @@ class ModelRunner:
         packed batch eagerly."""
         schedule, targets, feed = step.schedule, step.prompt_logprob_targets, step.token_feed
         request_ids = tuple(r.request_id for r in schedule.requests)
+        if schedule.block_copies:  # beams' copy-on-write: before anything reads or writes those blocks
+            self.kv_cache.copy_blocks(schedule.block_copies)
         if self.graphs is not None and self.graphs.fits(len(schedule.requests)):
             batch = decode_batch(schedule, self.block_size, self.model, targets, feed)
             if batch is not None:
-                logits = self.graphs.run(batch, feed.tokens if feed is not None else None)  # [n, V]
+                rows = self.lora.place(schedule) if self.lora is not None else None
+                logits = self.graphs.run(batch, feed.tokens if feed is not None else None, rows)  # [n, V]
                 return StepResult(logits, request_ids, tuple(range(len(batch) + 1)))
         if self.prefill_graphs is not None:
             one = prefill_batch(schedule, self.model, targets, feed)
             if one is not None and self.prefill_graphs.fits(len(one)):
-                logits = self.prefill_graphs.run(one)  # [num_sampled, V]
+                rows = self.lora.place(schedule) if self.lora is not None else None
+                logits = self.prefill_graphs.run(one, rows)  # [num_sampled, V]
                 return StepResult(logits, request_ids, (0, one.num_sampled))
         packed = pack_step(schedule, self.block_size, self.kv_cache.layers, self.device, self.kv_cache.scales)
         if feed is not None:

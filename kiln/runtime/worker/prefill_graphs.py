@@ -8,13 +8,17 @@ common single-request shapes are captured: token counts padded up to a captured 
 The padding tokens write nothing (slot -1) and belong to no sequence (query_start_loc ends at the real
 count), so attention skips them; their rows of the other operators are computed and dropped. Any start
 position works (a later chunk of a long prompt, a prefix-cache hit): the sequence's length and block table
-are inputs. Steps of several requests, with prompt logprobs or with per-length rope run eagerly.
+are inputs. Steps of several requests, with prompt logprobs or with per-length rope run eagerly. With LoRA
+adapters the tokens' adapter slots are an input too (as in cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +30,9 @@ from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
 from kiln.runtime.worker.step_inputs import rope_lengths_of, slots_of
+
+if TYPE_CHECKING:
+    from kiln.runtime.worker.lora_slots import LoRASlots
 
 # Powers of two from 16: padding at most doubles a step's tokens, and a 512-token step's kernels already take
 # longer than their launches.
@@ -75,17 +82,20 @@ class PrefillGraphs:
 
     def __init__(self, model: CausalLM, kv_caches: tuple[LayerCache, ...], *, max_num_tokens: int,
                  max_blocks_per_seq: int, block_size: int, device: torch.device,
-                 kv_scales: tuple[LayerScales, ...] | None = None) -> None:
+                 kv_scales: tuple[LayerScales, ...] | None = None, lora: LoRASlots | None = None) -> None:
         self.model = model
         self.sizes = prefill_sizes(max_num_tokens)
         self.block_size = block_size
         t = self.sizes[-1]
         # ints: [4, T] int64 rows = input_ids, positions, rope_lengths, slot_mapping; lens: [3] int32 =
         # seq_lens[0], query_start_loc[0:2]; sample: [1] int64, the row whose logits are sampled;
-        # table: [1, MB] int32.
-        self._inputs = GraphInputs({"ints": ((4, t), torch.int64), "lens": ((3,), torch.int32),
-                                    "sample": ((1,), torch.int64), "table": ((1, max_blocks_per_seq), torch.int32)},
-                                   device)
+        # table: [1, MB] int32; with LoRA, lora: [T] int32 each token's adapter slot (-1: none).
+        specs = {"ints": ((4, t), torch.int64), "lens": ((3,), torch.int32), "sample": ((1,), torch.int64),
+                 "table": ((1, max_blocks_per_seq), torch.int32)}
+        self._lora = lora
+        if lora is not None:
+            specs["lora"] = ((t,), torch.int32)
+        self._inputs = GraphInputs(specs, device)
         self._mirror = BlockTableMirror(4, max_blocks_per_seq)
         self._kv_caches = kv_caches
         self._kv_scales = kv_scales
@@ -102,7 +112,8 @@ class PrefillGraphs:
             positions=ints[1, :size], rope_lengths=ints[2, :size], slot_mapping=ints[3, :size],
             block_tables=b["table"], seq_lens=lens[0:1], query_start_loc=lens[1:3], kv_caches=self._kv_caches,
             max_rope_length=0, kv_scales=self._kv_scales)
-        hidden = self.model(ints[0, :size], context)  # [size, H]
+        with self._lora.reading(b["lora"][:size]) if self._lora is not None else nullcontext():
+            hidden = self.model(ints[0, :size], context)  # [size, H]
         return self.model.compute_logits(hidden.index_select(0, b["sample"]))  # [1, V] float32
 
     @torch.inference_mode()
@@ -113,6 +124,8 @@ class PrefillGraphs:
         for buffer in self._inputs.buffers.values():
             buffer.zero_()
         self._inputs.buffers["ints"][3].fill_(-1)
+        if self._lora is not None:
+            self._inputs.buffers["lora"].fill_(-1)
         capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._logits)
         return time.perf_counter() - start
 
@@ -123,9 +136,9 @@ class PrefillGraphs:
             graph.reset()
         self._graphs.clear()
 
-    def run(self, batch: PrefillBatch) -> torch.Tensor:
+    def run(self, batch: PrefillBatch, lora_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Replays the graph for `batch`; returns the logits of its sampled position, [num_sampled, V] float32,
-        valid until the next run."""
+        valid until the next run. `lora_rows`: each token's adapter slot (`LoRASlots.place`; None: none)."""
         n = len(batch)
         size = next(s for s in self.sizes if s >= n)
         stage = self._inputs.stage()
@@ -138,6 +151,10 @@ class PrefillGraphs:
         ints[:, n:size] = ((0,), (0,), (1,), (-1,))  # padding: position 0, writes nothing
         lens[:] = (stop, 0, n)  # seq_lens[0]; query_start_loc = [0, n]: the padding is no sequence's
         stage["sample"][0] = n - 1
+        if self._lora is not None:
+            lora = stage["lora"].numpy()
+            lora[:n] = -1 if lora_rows is None else lora_rows
+            lora[n:size] = -1
         self._mirror.gather([batch.block_table], out=stage["table"].numpy())
         self._inputs.upload()
         self._graphs[size].replay()

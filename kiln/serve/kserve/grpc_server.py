@@ -28,7 +28,7 @@ from kiln.serve.errors import InvalidRequest, NotFound, RequestError
 from kiln.serve.guided_request import TRITON_GUIDE_LABEL
 from kiln.serve.http.common import check_api_key
 from kiln.serve.limits import RequestLimits
-from kiln.serve.tritonserver.batch import cancel_and_wait, complete_all
+from kiln.serve.tritonserver.batch import cancel_and_wait, complete_all, with_loras
 from kiln.serve.tritonserver.request import (
     TritonRequest,
     check_datatype,
@@ -79,7 +79,10 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
 
 
 def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, shape: tuple[int, ...]) -> np.ndarray:
-    field = _CONTENTS[tensor.datatype]
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:  # KServe's InferTensorContents has no field for 16-bit floats
+        raise InvalidRequest(f"input '{tensor.name}' is {tensor.datatype}: send it in raw_input_contents (as "
+                             "tritonclient does)", tensor.name)
     values = np.array(list(getattr(tensor.contents, field)), dtype=numpy_dtype(tensor.datatype))
     return reshape(tensor.name, values, shape, f"contents.{field}")
 
@@ -156,7 +159,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelInfer(self, request, context):
         rows, names = self._parse(request)
-        return self._response(request, await self._infer(rows, names))
+        async with with_loras(self.service, rows) as rows:
+            return self._response(request, await self._infer(rows, names))
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Starts each request as it arrives; responses go out as they are made, in any order (their `id`
@@ -219,14 +223,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         empty_final = EMPTY_FINAL in request.parameters and request.parameters[EMPTY_FINAL].bool_param
         try:
             rows, names = self._parse(request)
-            if any(row.stream for row in rows):
-                if len(rows) != 1:
-                    raise InvalidRequest(f"input 'stream' is true with batch size {len(rows)}; streaming takes "
-                                         "one request (batch size 1) at a time", "stream")
-                await self._stream_text(request, rows[0], names, emit, last_is_final=not empty_final)
-            else:
-                outputs = await self._infer(rows, names)
-                emit(pb.ModelStreamInferResponse(infer_response=self._response(request, outputs, not empty_final)))
+            if any(row.stream for row in rows) and len(rows) != 1:
+                raise InvalidRequest(f"input 'stream' is true with batch size {len(rows)}; streaming takes "
+                                     "one request (batch size 1) at a time", "stream")
+            async with with_loras(self.service, rows) as rows:
+                if rows[0].stream:
+                    await self._stream_text(request, rows[0], names, emit, last_is_final=not empty_final)
+                else:
+                    outputs = await self._infer(rows, names)
+                    emit(pb.ModelStreamInferResponse(infer_response=self._response(request, outputs,
+                                                                                   not empty_final)))
             if empty_final:
                 emit(pb.ModelStreamInferResponse(infer_response=self._response(request, {}, True)))
         except Exception as e:  # this request fails; the stream keeps serving the others
@@ -239,7 +245,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                            emit: Callable[[pb.ModelStreamInferResponse], None], last_is_final: bool) -> None:
         """One response per new piece of text (never the prompt): output_log_probs holds the piece's tokens,
         cum_log_probs the sum over all tokens so far."""
-        stream = self.service.generate(row.prompt, row.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL)
+        stream = self.service.generate(row.prompt, row.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL,
+                                       lora_request=row.lora_request)
         cum_log_prob = 0.0  # over every token so far, shown or not
         async with contextlib.aclosing(stream) as stream:
             async for delta in stream:

@@ -30,7 +30,7 @@ from kiln.serve.kserve.tensors import (
     requested_outputs,
 )
 from kiln.serve.limits import RequestLimits
-from kiln.serve.tritonserver.batch import complete, complete_all
+from kiln.serve.tritonserver.batch import complete, complete_all, with_loras
 from kiln.serve.tritonserver.request import (
     TritonRequest,
     check_prompt_sizes,
@@ -120,7 +120,8 @@ async def _infer(request: web.Request) -> web.Response:
                              f"{service.max_batch_size}", "text_input")
     names, binary_names = requested_outputs(header.get("outputs"), flag(parameters, "binary_data_output"))
     names = check_requested_outputs(names, requests)
-    results = await complete_all(service, requests, limits)
+    async with with_loras(service, requests) as requests:
+        results = await complete_all(service, requests, limits)
     outputs = make_outputs(names, [text for text, _ in results], [lp for _, lp in results])
     response = _infer_response(request_id, name, outputs, binary_names)
     response.enable_compression()  # only when the client's Accept-Encoding asks for it
@@ -173,8 +174,18 @@ def _generate_request(body: dict) -> TritonRequest:
         if spec is None:
             raise InvalidRequest(f"unknown field '{key}'; the fields are this model's inputs "
                                  f"({', '.join(INPUT_SPECS)}) and 'parameters'", key)
-        arrays[key] = from_json(key, spec.datatype, value if isinstance(value, list) else [value]).reshape(1, -1)
+        if len(spec.dims) == 2:  # a matrix (lora_weights, lora_config): a list of equal-length lists
+            arrays[key] = _matrix(key, spec.datatype, value)[None]
+        else:
+            arrays[key] = from_json(key, spec.datatype, value if isinstance(value, list) else [value]).reshape(1, -1)
     return parse_request(arrays)[0]
+
+
+def _matrix(key: str, datatype: str, value) -> np.ndarray:
+    if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value) \
+            or len({len(r) for r in value}) != 1:
+        raise InvalidRequest(f"'{key}' must be a non-empty list of rows (lists) of one length", key)
+    return from_json(key, datatype, [v for r in value for v in r]).reshape(len(value), len(value[0]))
 
 
 def _checked_generate_request(request: web.Request, body: dict) -> TritonRequest:
@@ -196,7 +207,8 @@ def _generate_body(model: str, request: TritonRequest, text: str, logprobs: list
 async def _generate(request: web.Request) -> web.Response:
     name = _model_name(request)
     generate_request = _checked_generate_request(request, await read_json(request))
-    text, logprobs = await complete(request.app[SERVICE], generate_request)
+    async with with_loras(request.app[SERVICE], [generate_request]) as (generate_request,):
+        text, logprobs = await complete(request.app[SERVICE], generate_request)
     return web.json_response(_generate_body(name, generate_request, text, logprobs, sum(logprobs)))
 
 
@@ -204,10 +216,16 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events, one per new piece of text (never the prompt); the last one when finished. An error
     before the first piece is an ordinary error response; after it, an event `{"error": ...}`."""
     name = _model_name(request)
-    generate_request = _checked_generate_request(request, await read_json(request))
     service = request.app[SERVICE]
+    async with with_loras(service, [_checked_generate_request(request, await read_json(request))]) as rows:
+        return await _stream_events(request, name, service, rows[0])
+
+
+async def _stream_events(request: web.Request, name: str, service, generate_request: TritonRequest) \
+        -> web.StreamResponse:
+    """`_generate_stream`'s events for one request (the caller holds its LoRA adapter in use)."""
     stream = service.generate(generate_request.prompt, generate_request.params, cut_off_is_error=True,
-                              guided_field=TRITON_GUIDE_LABEL)
+                              guided_field=TRITON_GUIDE_LABEL, lora_request=generate_request.lora_request)
     async with contextlib.aclosing(stream) as stream:
         delta = await anext(stream)  # raises InvalidRequest (too long, ...) before any event
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",

@@ -122,7 +122,7 @@ def from_json(name: str, datatype: str, values: list) -> np.ndarray:
     for value in values:
         if datatype == "BOOL":
             ok = isinstance(value, bool)
-        elif datatype == "FP32":
+        elif datatype in ("FP32", "FP16"):
             # an integer beyond float32's range is no FP32 value (and float() overflows on a long one)
             ok = isinstance(value, float) or (is_int(value) and abs(value) < 2**128)
         elif datatype == "BYTES":

@@ -28,7 +28,7 @@ from kiln.serve.limits import RequestLimits
 from kiln.serve.openai import lora_routes
 from kiln.serve.openai.chat import chat_job, tool_call_parser
 from kiln.serve.openai.completions import completion_job
-from kiln.serve.openai.request import Choice, Job, check_model, usage
+from kiln.serve.openai.request import Choice, Job, check_model, model_in_use, usage
 
 logger = logging.getLogger("kiln.serve")
 
@@ -179,18 +179,19 @@ def add_routes(app: web.Application) -> None:
     async def completions(request: web.Request) -> web.StreamResponse:
         service = request.app[SERVICE]
         body = await read_json(request)
-        lora = check_model(body, service)
-        job = _with_lora(await completion_job(service, body, RequestLimits.from_config(request.app[CONFIG])), lora)
-        return await (_answer_stream if job.stream else _answer)(request, job)
+        with model_in_use(body, service) as lora:  # not unloaded under it: unloading is refused until it ends
+            job = _with_lora(await completion_job(service, body, RequestLimits.from_config(request.app[CONFIG])),
+                             lora)
+            return await (_answer_stream if job.stream else _answer)(request, job)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         service = request.app[SERVICE]
         body = await read_json(request)
-        lora = check_model(body, service)
         config = request.app[CONFIG]
-        job = _with_lora(await chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
-                                        tool_call_parser(config, service)), lora)
-        return await (_answer_stream if job.stream else _answer)(request, job)
+        with model_in_use(body, service) as lora:  # not unloaded under it: unloading is refused until it ends
+            job = _with_lora(await chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
+                                            tool_call_parser(config, service)), lora)
+            return await (_answer_stream if job.stream else _answer)(request, job)
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)

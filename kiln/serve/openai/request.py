@@ -9,10 +9,11 @@ openai_format.py makes OpenAI's objects; openai_api.py is the HTTP side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kiln.runtime import LoRARequest, Prompt
@@ -92,6 +93,14 @@ def check_model(body: dict, service: EngineService) -> LoRARequest | None:
     if model is not None and not isinstance(model, str):
         raise InvalidRequest(f"model={shown(model)} is invalid: must be a string", "model")
     return service.loras.lookup(model)
+
+
+@contextlib.contextmanager
+def model_in_use(body: dict, service: EngineService) -> Iterator[LoRARequest | None]:
+    """`check_model`, its adapter counted as in use until the block ends (`LoRAModules.using`): a request that
+    resolved the adapter holds it through tokenizing, waiting and generating, so it cannot be unloaded under it."""
+    with service.loras.using(check_model(body, service)) as lora:
+        yield lora
 
 
 def get_field(body: dict, name: str, default, kind: type | tuple[type, ...], rule: str):

@@ -1,18 +1,60 @@
-"""Running Triton requests on the engine, shared by the HTTP and gRPC front ends: one request to the end, or
-all rows of a batch at once, all or none."""
+"""Running Triton requests on the engine, shared by the HTTP and gRPC front ends: each row's LoRA adapter
+resolved, one request to the end, or all rows of a batch at once, all or none."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection
+import dataclasses
+import weakref
+from collections.abc import AsyncIterator, Collection, Sequence
 
 from kiln.runtime import Prompt
 from kiln.serve.engine_service import EngineService
-from kiln.serve.errors import RequestError
+from kiln.serve.errors import InvalidRequest, RequestError
 from kiln.serve.guided_request import TRITON_GUIDE_LABEL
 from kiln.serve.limits import RequestLimits
+from kiln.serve.tritonserver.lora_tasks import LoRATasks
 from kiln.serve.tritonserver.request import TritonRequest
+
+# kiln serve's LoRA tasks, one per EngineService (shared by its HTTP and gRPC front ends).
+_SERVICE_TASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+SERVE_OFF_HINT = "start kiln serve with --enable-lora"
+SERVE_UNLOAD_HINT = (" (or unload it first: POST /v1/unload_lora_adapter {{\"lora_name\": \"{name}\"}}, once no "
+                     "request uses it)")
+
+
+def service_tasks(service: EngineService) -> LoRATasks:
+    tasks = _SERVICE_TASKS.get(service)
+    if tasks is None:
+        tasks = _SERVICE_TASKS[service] = LoRATasks(service.llm, service.loras, SERVE_OFF_HINT, SERVE_UNLOAD_HINT)
+    return tasks
+
+
+@contextlib.asynccontextmanager
+async def with_loras(service: EngineService, rows: Sequence[TritonRequest]) -> AsyncIterator[list[TritonRequest]]:
+    """Each row with the LoRA adapter its inputs select (`lora_request`, lora_tasks.py), counted in use (so not
+    unloadable) from when it is resolved until the block ends; a new adapter is converted and read on a worker
+    thread. In a batch of several, an error names its row."""
+    tasks = service_tasks(service)
+    with contextlib.ExitStack() as in_use:
+        out = []
+        for i, row in enumerate(rows):
+            if row.lora is None:
+                out.append(row)
+                continue
+            try:
+                if tasks.needs_loading(row.lora):
+                    lora = await asyncio.to_thread(tasks.resolve, row.lora)
+                else:
+                    lora = tasks.resolve(row.lora)
+            except InvalidRequest as e:
+                if len(rows) > 1:
+                    e.message = f"batch row {i}: {e.message}"
+                raise
+            in_use.enter_context(service.loras.using(lora))
+            out.append(dataclasses.replace(row, lora_request=lora))
+        yield out
 
 
 async def complete(service: EngineService, request: TritonRequest,
@@ -21,7 +63,8 @@ async def complete(service: EngineService, request: TritonRequest,
     per-token logprobs). `prompt`: the request's prompt as token ids, when already tokenized."""
     prompt = request.prompt if prompt is None else prompt
     # Triton has no finish reason: a request cut off by shutdown must fail, not succeed with partial text.
-    stream = service.generate(prompt, request.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL)
+    stream = service.generate(prompt, request.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL,
+                              lora_request=request.lora_request)
     async with contextlib.aclosing(stream) as stream:
         async for delta in stream:
             output = delta.output

@@ -94,7 +94,9 @@ try:
     from kiln.runtime.core.outputs import RequestOutput
     from kiln.serve.errors import InvalidRequest
     from kiln.serve.limits import default_max_prompt_chars
+    from kiln.serve.lora_modules import server_loras
     from kiln.serve.prompt_work import LARGE_TEXT_CHARS, release_memory
+    from kiln.serve.tritonserver.lora_tasks import LoRATasks
     from kiln.serve.tritonserver.relay import Relay
     from kiln.serve.tritonserver.repository import BackendParameters
     from kiln.serve.tritonserver.request import (
@@ -157,6 +159,9 @@ class TritonPythonModel:
         check_environment(config, params.engine_dir)
         self.llm = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
         self.relay = Relay(self.llm)
+        # TensorRT-LLM's lora_task_id: adapters sent with a task's first request, kept under lora-task-<id>
+        self.lora_tasks = LoRATasks(self.llm, server_loras(self.llm, args.get("model_name", "kiln"), ()),
+                                    "write the repository with `kiln triton-repo --enable-lora`")
         # A text_input over this is refused before it is tokenized (kiln serve's --max-prompt-chars).
         self.max_prompt_chars = params.max_prompt_chars or default_max_prompt_chars(self.llm.max_seq_len)
 
@@ -176,13 +181,25 @@ class TritonPythonModel:
                 names = check_requested_outputs(_named_outputs(request), rows)
                 if len(rows) > 1 and any(row.stream for row in rows):
                     raise InvalidRequest("stream=true takes one prompt per request (batch size 1)", "stream")
+                loras = self._loras(rows)
                 sink = _StreamSink(sender, names) if rows[0].stream else _WholeSink(sender, rows, names)
-                self.relay.submit(self._token_ids(rows), [row.params for row in rows], sink)
+                self.relay.submit(self._token_ids(rows), [row.params for row in rows], sink, loras)
             except InvalidRequest as e:
                 sender.send(error_response(e.message, "INVALID_ARG"), flags=FINAL)
             except RuntimeError as e:  # the engine has stopped
                 sender.send(error_response(str(e), "UNAVAILABLE"), flags=FINAL)
         return None
+
+    def _loras(self, rows: list[TritonRequest]) -> list:
+        """Each row's LoRA adapter (None: the base model); a new one is converted and read here, on Triton's
+        thread."""
+        loras = []
+        for i, row in enumerate(rows):
+            try:
+                loras.append(self.lora_tasks.resolve(row.lora))
+            except InvalidRequest as e:
+                raise InvalidRequest(e.message if len(rows) == 1 else f"batch row {i}: {e.message}", e.param) from None
+        return loras
 
     def _token_ids(self, rows: list[TritonRequest]) -> list[list[int]]:
         """Every row's prompt tokenized (and checked to fit) here, on Triton's thread: on the engine thread a long
@@ -226,15 +243,15 @@ def load_kiln_engine(params: BackendParameters, device: str, max_batch_size: int
 
 
 def runtime_options_of(params: BackendParameters, device: str, max_batch_size: int | None):
-    """The RuntimeOptions config.pbtxt asks for: its `max_batch_size`, the instance's device, and the parameters
-    under TensorRT-LLM's names (enable_kv_cache_reuse, kv_cache_free_gpu_mem_fraction, batch_scheduler_policy);
-    the rest are defaults."""
+    """The RuntimeOptions config.pbtxt asks for: its `max_batch_size`, the instance's device, the parameters
+    under TensorRT-LLM's names (enable_kv_cache_reuse, kv_cache_free_gpu_mem_fraction, batch_scheduler_policy)
+    and kiln's LoRA options (enable_lora, max_loras, max_lora_rank, max_cpu_loras); the rest are defaults."""
     from kiln.runtime import RuntimeOptions
 
     return RuntimeOptions(device=device, max_batch_size=max_batch_size,
                           enable_prefix_caching=params.enable_kv_cache_reuse,
                           kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction,
-                          capacity_scheduler_policy=params.batch_scheduler_policy)
+                          capacity_scheduler_policy=params.batch_scheduler_policy, **params.lora_options())
 
 
 def error_response(message: str, code: str):

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kiln.runtime import AsyncLLM, RequestOutput, SamplingParams
+from kiln.runtime import AsyncLLM, LoRARequest, RequestOutput, SamplingParams
 from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
 from kiln.serve.guided_request import TRITON_GUIDE_LABEL, refusal_message
 
@@ -76,15 +76,19 @@ class Relay:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped and self.llm.is_running
 
-    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], sink: Sink) -> None:
-        """Queues one submission (token ids per row, checked by the caller); returns at once. Raises
-        RuntimeError once the relay or its engine has stopped."""
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], sink: Sink,
+               loras: Sequence[LoRARequest | None] | None = None) -> None:
+        """Queues one submission (token ids per row, checked by the caller; `loras`: each row's LoRA adapter,
+        None for the base model); returns at once. Raises RuntimeError once the relay or its engine has stopped."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError(f"need one SamplingParams per prompt, got {len(params)} for {len(prompts)} prompts")
+        loras = list(loras) if loras is not None else [None] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"need one LoRA adapter (or None) per prompt, got {len(loras)} for {len(prompts)}")
         with self._lock:
             if self._stopped or not self.llm.is_running:
                 raise RuntimeError("the kiln engine has stopped" if self._stopped else self.llm.stop_reason)
-            self._loop.call_soon_threadsafe(self._start, list(prompts), list(params), sink)
+            self._loop.call_soon_threadsafe(self._start, list(prompts), list(params), sink, loras)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts every submission (`abort(UNLOADING)`) and ends the relay's thread."""
@@ -99,8 +103,9 @@ class Relay:
             self._thread.join(timeout)
 
     # ---- the relay's thread ----------------------------------------------------------------------
-    def _start(self, prompts: list[list[int]], params: list[SamplingParams], sink: Sink) -> None:
-        task = self._loop.create_task(self._serve(prompts, params, sink))
+    def _start(self, prompts: list[list[int]], params: list[SamplingParams], sink: Sink,
+               loras: list[LoRARequest | None]) -> None:
+        task = self._loop.create_task(self._serve(prompts, params, sink, loras))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -110,7 +115,8 @@ class Relay:
             task.cancel(UNLOADING)
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _serve(self, prompts: list[list[int]], params: list[SamplingParams], sink: Sink) -> None:
+    async def _serve(self, prompts: list[list[int]], params: list[SamplingParams], sink: Sink,
+                     loras: list[LoRARequest | None]) -> None:
         try:
             await self._compile_guides(params, sink)
         except _Ended as ended:
@@ -119,8 +125,8 @@ class Relay:
         except asyncio.CancelledError:
             _guarded(sink.abort, UNLOADING)
             return
-        rows = [asyncio.ensure_future(self._row(sink, row, ids, p, len(prompts)))
-                for row, (ids, p) in enumerate(zip(prompts, params))]
+        rows = [asyncio.ensure_future(self._row(sink, row, ids, p, len(prompts), lora))
+                for row, (ids, p, lora) in enumerate(zip(prompts, params, loras))]
         watch = asyncio.ensure_future(self._watch_cancel(sink))
         ended: _Ended | None = None
         try:
@@ -157,10 +163,11 @@ class Relay:
                 prefix = "" if len(params) == 1 else f"batch row {row}: "
                 raise _Ended(sink.reject, prefix + refusal_message(e, TRITON_GUIDE_LABEL)) from None
 
-    async def _row(self, sink: Sink, row: int, ids: list[int], params: SamplingParams, num_rows: int) -> None:
+    async def _row(self, sink: Sink, row: int, ids: list[int], params: SamplingParams, num_rows: int,
+                   lora: LoRARequest | None) -> None:
         prefix = "" if num_rows == 1 else f"batch row {row}: "
         try:
-            async for output in self.llm.generate(ids, params, f"triton-{next(self._ids)}"):
+            async for output in self.llm.generate(ids, params, f"triton-{next(self._ids)}", lora_request=lora):
                 try:
                     sink.update(row, output)
                 except Exception:  # its client cannot be told any more: the submission just ends

@@ -33,6 +33,7 @@ ENV_FILE = "kiln_env.json"  # beside model.py
 # Triton takes the model's directory name as its name; keep it to characters every URL and file system takes.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BOOLS = {"true": True, "false": False}
+_LORA_LIMITS = ("max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class BackendParameters:
     `batch_scheduler_policy` says when a request may enter the running batch (RuntimeOptions.capacity_scheduler_policy, runtime/core/capacity.py).
     `max_prompt_chars` is kiln's (kiln serve's --max-prompt-chars): the characters one text_input may hold,
     checked before it is tokenized (absent: serve/limits.py's default_max_prompt_chars for the engine).
+    `enable_lora`, `max_loras`, `max_lora_rank` and `max_cpu_loras` are the runtime's LoRA options (RuntimeOptions;
+    absent: its defaults): with enable_lora the inputs lora_task_id, lora_weights and lora_config select adapters.
     """
 
     engine_dir: str  # absolute path
@@ -52,6 +55,10 @@ class BackendParameters:
     kv_cache_free_gpu_mem_fraction: float = 0.9
     enable_kv_cache_reuse: bool = True
     max_prompt_chars: int | None = None
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.engine_dir).is_absolute():
@@ -64,16 +71,27 @@ class BackendParameters:
             raise ValueError(f"kv_cache_free_gpu_mem_fraction={fraction!r} must be a number in (0, 1]")
         if not isinstance(self.enable_kv_cache_reuse, bool):
             raise ValueError(f"enable_kv_cache_reuse={self.enable_kv_cache_reuse!r} must be true or false")
-        chars = self.max_prompt_chars
-        if chars is not None and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
-            raise ValueError(f"max_prompt_chars={chars!r} must be a positive integer")
+        for name in ("max_prompt_chars", *_LORA_LIMITS):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora={self.enable_lora!r} must be true or false")
+
+    def lora_options(self) -> dict:
+        """The RuntimeOptions fields of LoRA that config.pbtxt sets (the others keep the runtime's defaults)."""
+        options = {name: getattr(self, name) for name in _LORA_LIMITS if getattr(self, name) is not None}
+        return {"enable_lora": self.enable_lora, **options}
 
     def to_strings(self) -> dict[str, str]:
         strings = {"engine_dir": self.engine_dir, "batch_scheduler_policy": self.batch_scheduler_policy,
                    "kv_cache_free_gpu_mem_fraction": repr(self.kv_cache_free_gpu_mem_fraction),
                    "enable_kv_cache_reuse": str(self.enable_kv_cache_reuse).lower()}
-        if self.max_prompt_chars is not None:
-            strings["max_prompt_chars"] = str(self.max_prompt_chars)
+        for name in ("max_prompt_chars", *_LORA_LIMITS):
+            if getattr(self, name) is not None:
+                strings[name] = str(getattr(self, name))
+        if self.enable_lora:
+            strings["enable_lora"] = "true"
         return strings
 
     @classmethod
@@ -93,9 +111,13 @@ class BackendParameters:
         if "enable_kv_cache_reuse" in values:
             text = values["enable_kv_cache_reuse"]
             kwargs["enable_kv_cache_reuse"] = _BOOLS.get(text.strip().lower(), text)
-        if values.get("max_prompt_chars", "").strip():
-            text = values["max_prompt_chars"]
-            kwargs["max_prompt_chars"] = int(text) if text.strip().isdigit() else text
+        for name in ("max_prompt_chars", *_LORA_LIMITS):
+            if values.get(name, "").strip():
+                text = values[name]
+                kwargs[name] = int(text) if text.strip().isdigit() else text
+        if values.get("enable_lora", "").strip():
+            text = values["enable_lora"]
+            kwargs["enable_lora"] = _BOOLS.get(text.strip().lower(), text)
         return cls(**kwargs)
 
 
@@ -140,14 +162,16 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                      max_batch_size: int | None = None, batch_scheduler_policy: str = "max_utilization",
                      kv_cache_free_gpu_mem_fraction: float = 0.9, enable_kv_cache_reuse: bool = True,
                      force: bool = False, python_path: Sequence[str | Path] = (),
-                     record_site: bool = True) -> TritonModel:
+                     record_site: bool = True, enable_lora: bool = False, max_loras: int | None = None,
+                     max_lora_rank: int | None = None, max_cpu_loras: int | None = None) -> TritonModel:
     """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
     replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
     for a directory that is not a kiln engine and ValueError for anything else it refuses.
 
     `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
     this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path, and
-    imports kiln from this kiln's package directory (also recorded with `record_site`)."""
+    imports kiln from this kiln's package directory (also recorded with `record_site`). `enable_lora` and the
+    LoRA limits go to config.pbtxt for the runtime (BackendParameters)."""
     import kiln
 
     extra = []
@@ -168,7 +192,13 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
         raise ValueError(f"--max-batch-size {max_batch_size} must be between 1 and the engine's built limit "
                          f"{built}")
     params = BackendParameters(str(engine_dir), batch_scheduler_policy, float(kv_cache_free_gpu_mem_fraction),
-                               enable_kv_cache_reuse)
+                               enable_kv_cache_reuse, enable_lora=enable_lora, max_loras=max_loras,
+                               max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+    if not enable_lora and any(v is not None for v in (max_loras, max_lora_rank, max_cpu_loras)):
+        raise ValueError("--max-loras, --max-lora-rank and --max-cpu-loras need --enable-lora")
+    from kiln.runtime import RuntimeOptions
+
+    RuntimeOptions(**params.lora_options())  # refused now (a ValueError naming the field), not at Triton's load
     kind = "KIND_GPU" if spec.target.get("device_type") == "cuda" else "KIND_CPU"
 
     repo = Path(repo).resolve()

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kiln.runtime import LoRARequest
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.serve.errors import InvalidRequest
 from kiln.serve.guided_request import GUIDE_INPUT, GUIDE_TYPE_INPUT, triton_guided
 from kiln.serve.limits import check_prompt_chars
+from kiln.serve.tritonserver.lora_tasks import TritonLoRA, parse_lora
 from kiln.serve.tritonserver.schema import DATATYPES, INPUT_SPECS, OUTPUT_SPECS
 
 if TYPE_CHECKING:
@@ -32,6 +34,8 @@ class TritonRequest:
     stream: bool
     exclude_input: bool
     return_log_probs: bool
+    lora: TritonLoRA | None = None  # TensorRT-LLM's lora_task_id (+ lora_weights, lora_config) as sent
+    lora_request: LoRARequest | None = None  # the adapter it selects, once resolved (lora_tasks.py)
 
 
 def check_datatype(name: str, datatype: str) -> None:
@@ -44,7 +48,13 @@ def check_datatype(name: str, datatype: str) -> None:
 
 
 def _rows(name: str, array: np.ndarray) -> np.ndarray:
-    """-> [B, n]: shape [B, n] as is; [n] is one row."""
+    """-> [B, n]: shape [B, n] as is; [n] is one row. A matrix per row (lora_weights, lora_config): -> [B, n, m];
+    [n, m] is one row."""
+    if len(INPUT_SPECS[name].dims) == 2:
+        array = array[None] if array.ndim == 2 else array
+        if array.ndim != 3:
+            raise InvalidRequest(f"input '{name}' has shape {list(array.shape)}; expected [batch, n, m]", name)
+        return array
     if array.ndim == 1:
         array = array[None, :]
     if array.ndim != 2:
@@ -130,6 +140,7 @@ def _parse_row(row: Mapping[str, np.ndarray]) -> TritonRequest:
     )
     if "end_id" in scalars:  # the request's end token replaces the model's EOS
         kwargs.update(stop_token_ids=(scalars["end_id"],), ignore_eos=True)
+    lora = parse_lora(scalars.get("lora_task_id"), row.get("lora_weights"), row.get("lora_config"))
     guides = {name: _text(name, row[name][0]) if name in row else None for name in (GUIDE_TYPE_INPUT, GUIDE_INPUT)}
     kwargs["guided_decoding"] = triton_guided(guides[GUIDE_TYPE_INPUT], guides[GUIDE_INPUT])
     try:
@@ -141,7 +152,7 @@ def _parse_row(row: Mapping[str, np.ndarray]) -> TritonRequest:
         raise InvalidRequest(f"input '{name}': {e}" if name else str(e), name) from None
     return TritonRequest(prompt=prompt, params=params, stream=scalars.get("stream", False),
                          exclude_input=scalars.get("exclude_input_in_output", False),
-                         return_log_probs=scalars.get("return_log_probs", False))
+                         return_log_probs=scalars.get("return_log_probs", False), lora=lora)
 
 
 def check_prompt_sizes(requests: Sequence[TritonRequest], limit: int, setting: str = "--max-prompt-chars") -> None:

@@ -19,6 +19,7 @@ DATATYPES: dict[str, tuple[str, object]] = {
     "INT32": ("TYPE_INT32", np.int32),
     "INT64": ("TYPE_INT64", np.int64),
     "UINT64": ("TYPE_UINT64", np.uint64),
+    "FP16": ("TYPE_FP16", np.float16),
     "FP32": ("TYPE_FP32", np.float32),
     "BYTES": ("TYPE_STRING", np.object_),
 }
@@ -29,7 +30,7 @@ class TensorSpec:
     """One input or output tensor; `dims` excludes the batch dimension (-1 = any length)."""
 
     name: str
-    datatype: str  # KServe v2 name: BOOL, INT32, UINT64, FP32, BYTES, ...
+    datatype: str  # KServe v2 name: BOOL, INT32, UINT64, FP16, FP32, BYTES, ...
     dims: tuple[int, ...]
     optional: bool = True
     description: str = ""
@@ -61,6 +62,18 @@ INPUTS: tuple[TensorSpec, ...] = (
                            "regex or ebnf_grammar"),
     TensorSpec("guided_decoding_guide", "BYTES", (1,),
                description="the JSON schema, regex or EBNF grammar (xgrammar's dialect) the output follows"),
+    # LoRA as TensorRT-LLM's Triton backend takes it (serve/tritonserver/lora_tasks.py, checkpoints/trtllm_lora.py)
+    TensorSpec("lora_task_id", "UINT64", (1,),
+               description="the LoRA adapter to run with; the first request of an id also sends lora_weights and "
+                           "lora_config, later ones the id alone (needs --enable-lora)"),
+    TensorSpec("lora_weights", "FP16", (-1, -1),
+               description="per adapted module and layer: its in-weight [r, in] then out-weight [out, r] (scaling "
+                           "folded in), flattened and zero-padded to the longest row (TensorRT-LLM's "
+                           "hf_lora_convert.py)"),
+    TensorSpec("lora_config", "INT32", (-1, 3),
+               description="a row per row of lora_weights: [module_id, layer_idx, adapter_size]; module ids: "
+                           "attn_qkv 0, attn_q 1, attn_k 2, attn_v 3, attn_dense 4, mlp_h_to_4h 5 (gate_proj), "
+                           "mlp_4h_to_h 6 (down_proj), mlp_gate 7 (up_proj)"),
 )
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "BYTES", (-1,)),

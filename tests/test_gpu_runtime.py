@@ -107,7 +107,7 @@ def test_prefill_graphs_give_the_eager_tokens(tmp_path):
     assert runner.prefill_graphs.sizes == [16, 32, 64] and eager.engine.executor.runner.prefill_graphs is None
     replays = []
     run = runner.prefill_graphs.run
-    runner.prefill_graphs.run = lambda batch: replays.append(len(batch)) or run(batch)
+    runner.prefill_graphs.run = lambda batch, *rest: replays.append(len(batch)) or run(batch, *rest)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[(11 * i + n) % 390 + 2 for i in range(n)] for n in (2, 5, 17, 40, 64, 100, 130)]
     prompts.append(prompts[-1][:120] + [7, 8, 9])  # a prefix-cache hit: the graph starts at position 112

@@ -161,3 +161,15 @@ def post_json(server, path: str, body: dict, timeout: float = 60) -> tuple[int, 
             return response.status, response.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def stream_results(responses, timeout: float = 60) -> list:
+    """The results of one gRPC stream request (tritonclient's callback puts (result, error) pairs on the queue
+    `responses`) up to Triton's final response; fails on an error."""
+    results = []
+    while True:
+        result, error = responses.get(timeout=timeout)
+        assert error is None, error
+        results.append(result)
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return results

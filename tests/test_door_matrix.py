@@ -485,7 +485,7 @@ def _kserve_infer(m: Matrix, row: Row, case: Case) -> Answer:
     finally:
         client.close()
     return triton_answer(result.as_numpy("text_output")[0, 0].decode(),
-                         result.as_numpy("output_log_probs")[0].tolist())
+                         result.as_numpy("output_log_probs")[0, 0].tolist())
 
 
 def _generate_body(case: Case) -> dict:
@@ -532,7 +532,7 @@ def _grpc(stream: bool):
             if not stream:
                 result = client.infer(MODEL_NAME, _grpc_inputs(case, False), client_timeout=120)
                 return triton_answer(result.as_numpy("text_output")[0, 0].decode(),
-                                     result.as_numpy("output_log_probs")[0].tolist())
+                                     result.as_numpy("output_log_probs")[0, 0].tolist())
             results: queue.Queue = queue.Queue()
             client.start_stream(lambda result, error: results.put((result, error)))
             try:
@@ -545,7 +545,7 @@ def _grpc(stream: bool):
                     if result.as_numpy("text_output") is not None:
                         text += result.as_numpy("text_output")[0, 0].decode()
                     if result.as_numpy("output_log_probs") is not None:
-                        logprobs += result.as_numpy("output_log_probs")[0].tolist()
+                        logprobs += result.as_numpy("output_log_probs")[0, 0].tolist()
                     if result.get_response().parameters["triton_final_response"].bool_param:
                         return triton_answer(text, logprobs)
             finally:
@@ -568,7 +568,7 @@ def _triton_repo(stream: bool):
             assert not response.has_error(), response.error().message()
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
             text += outputs["text_output"][0, 0].decode()
-            logprobs += outputs["output_log_probs"][0].tolist()
+            logprobs += outputs["output_log_probs"][0, 0].tolist()
         return triton_answer(text, logprobs)
     return door
 

@@ -137,3 +137,32 @@ def test_memory_report_and_kv_cache_fraction(tmp_path):
 
     with pytest.raises(EngineError, match="raise --kv-cache-memory-fraction"):
         LLM(engine, kv_cache_memory_fraction=1e-9)
+
+
+def test_logits_outputs_on_cuda_graphs_and_async_scheduling(tmp_path):
+    """Generation logits of decode steps come from the CUDA graphs' rows (copied for the asking requests only),
+    context logits from eager prefills; with async scheduling on (CUDA's default) they equal the eager engine's,
+    and the requests that ask for nothing get their usual tokens."""
+    engine = _cuda_engine(tmp_path, dtype="float32", max_batch_size=8, max_num_tokens=64, max_seq_len=256,
+                          kv_block_size=16)
+    prompts = [[(7 * i + n) % 390 + 2 for i in range(n)] for n in (5, 30, 12)]
+    asks = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, return_context_logits=True,
+                          return_generation_logits=True, return_perf_metrics=True)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = [asks, plain, asks]
+    graphs = LLM(engine, num_kv_blocks=64)
+    eager = LLM(engine, num_kv_blocks=64, cuda_graphs=False, async_scheduling=False)
+    assert graphs.engine.async_scheduling and graphs.engine.executor.runner.graphs is not None
+    got, want = graphs.generate(prompts, params), eager.generate(prompts, params)
+    for g, w, p in zip(got, want, params):
+        assert g.token_ids == w.token_ids
+        if p is asks:
+            assert g.generation_logits.device.type == "cpu" and g.generation_logits.shape == (12, w.generation_logits.shape[1])
+            torch.testing.assert_close(g.context_logits, w.context_logits, atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(g.generation_logits, w.generation_logits, atol=1e-3, rtol=1e-3)
+            m = g.perf_metrics
+            assert m.arrival_time_ns <= m.first_scheduled_time_ns <= m.first_token_time_ns <= m.last_token_time_ns
+        else:
+            assert g.generation_logits is None and g.context_logits is None
+    del graphs, eager
+    gc.collect()

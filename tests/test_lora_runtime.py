@@ -21,7 +21,9 @@ peft = pytest.importorskip("peft")
 
 BUNDLED = Path(__file__).resolve().parent.parent / "examples" / "kiln-tiny-code"
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
-           "for i in range(10):\n", "def add(a, b):\n    return", "# read a file\nwith open("]
+           "for i in range(10):\n", "def add(a, b):\n    return", "# read a file\nwith open(",
+           "def main():\n    args = ", "try:\n    import numpy", "x = [i * i for i in", "@dataclass\nclass Point:\n",
+           "def is_prime(n):\n    if n <", "import json\n\ndef load(path):\n"]  # a dozen
 MAX_TOKENS = 8
 
 

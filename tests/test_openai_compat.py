@@ -188,7 +188,10 @@ def test_streamed_echo_logprobs_equal_the_whole_answer(server):
     ({"echo": True, "logprobs": 6}, "logprobs"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"bad_words": [""]}, "bad_words"),
 ])
 def test_bad_fields_are_400s_naming_them(server, body, param):
     status, r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **body})

@@ -19,6 +19,7 @@ import kiln
 from kiln.runtime import LLM, SamplingParams
 from kiln.serve.errors import InvalidRequest
 from kiln.serve.kserve.grpc_server import decode_inputs
+from kiln.serve.tritonserver.logits_outputs import EXTRA_OUTPUTS
 from kiln.serve.tritonserver.schema import DATATYPES
 
 PROMPTS = ["def add(a, b):", "import os\n"]
@@ -116,7 +117,8 @@ def test_health_and_metadata(client):
     model = client.get_model_metadata(MODEL_NAME, as_json=True)
     assert model["name"] == MODEL_NAME and model["versions"] == ["1"]
     assert {"name": "text_input", "datatype": "BYTES", "shape": ["-1", "1"]} in model["inputs"]
-    assert [o["name"] for o in model["outputs"]] == ["text_output", "output_log_probs", "cum_log_probs"]
+    assert [o["name"] for o in model["outputs"]] == ["text_output", "output_log_probs", "cum_log_probs",
+                                                     "output_ids", "sequence_length", *EXTRA_OUTPUTS]
     config = client.get_model_config(MODEL_NAME, as_json=True)["config"]
     assert config["name"] == MODEL_NAME and config["max_batch_size"] == 16
     assert config["model_transaction_policy"]["decoupled"] is True
@@ -162,9 +164,9 @@ def test_infer_log_probs(client, reference):
     result = client.infer(MODEL_NAME, inputs(return_log_probs=(True, "BOOL")))
     logprobs, cum = result.as_numpy("output_log_probs"), result.as_numpy("cum_log_probs")
     expected = reference[PROMPTS[0]]
-    assert logprobs.shape == (1, len(expected.token_ids)) and cum.shape == (1, 1)
-    np.testing.assert_allclose(logprobs[0], expected.logprobs, rtol=1e-4, atol=1e-4)
-    assert cum[0, 0] == pytest.approx(logprobs[0].sum(), abs=1e-4)
+    assert logprobs.shape == (1, 1, len(expected.token_ids)) and cum.shape == (1, 1)  # [batch, beam(, len)]
+    np.testing.assert_allclose(logprobs[0, 0], expected.logprobs, rtol=1e-4, atol=1e-4)
+    assert cum[0, 0] == pytest.approx(logprobs[0, 0].sum(), abs=1e-4)
 
 
 def test_infer_with_contents_instead_of_raw(server, reference):
@@ -270,7 +272,7 @@ def test_stream_pieces_add_up_to_the_greedy_completion(client, reference, empty_
     else:
         assert final_flags(results) == [False] * (len(results) - 1) + [True]
     assert "".join(text(r) for r in results) == reference[PROMPTS[0]].text
-    logprobs = np.concatenate([r.as_numpy("output_log_probs")[0] for r in results])
+    logprobs = np.concatenate([r.as_numpy("output_log_probs")[0, 0] for r in results])
     assert len(logprobs) == len(reference[PROMPTS[0]].token_ids)
     assert results[-1].as_numpy("cum_log_probs")[0, 0] == pytest.approx(logprobs.sum(), abs=1e-4)
 

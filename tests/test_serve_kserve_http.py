@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 import kiln
 from kiln.runtime import LLM, SamplingParams
+from kiln.serve.tritonserver.logits_outputs import EXTRA_OUTPUTS
 
 PROMPT = "def add(a, b):"
 PROMPT2 = "class Stack:"
@@ -114,7 +115,8 @@ def test_health_and_metadata(client):
     model = client.get_model_metadata(MODEL_NAME)
     assert model["name"] == MODEL_NAME and model["versions"] == ["1"]
     assert {"name": "text_input", "datatype": "BYTES", "shape": [-1, 1]} in model["inputs"]
-    assert [t["name"] for t in model["outputs"]] == ["text_output", "output_log_probs", "cum_log_probs"]
+    assert [t["name"] for t in model["outputs"]] == ["text_output", "output_log_probs", "cum_log_probs",
+                                                     "output_ids", "sequence_length", *EXTRA_OUTPUTS]
     config = client.get_model_config(MODEL_NAME)
     assert config["name"] == MODEL_NAME and config["max_batch_size"] == 16
     assert config["model_transaction_policy"]["decoupled"] is True
@@ -169,8 +171,8 @@ def test_infer_log_probs(client, greedy, binary):
     result = client.infer(MODEL_NAME, inputs([PROMPT], return_log_probs=True), outputs=outputs)
     logprobs = result.as_numpy("output_log_probs")
     _, expected = greedy(PROMPT)
-    assert logprobs.shape == (1, len(expected)) and logprobs.dtype == np.float32
-    np.testing.assert_allclose(logprobs[0], expected, rtol=1e-4, atol=1e-4)
+    assert logprobs.shape == (1, 1, len(expected)) and logprobs.dtype == np.float32  # [batch, beam, len]
+    np.testing.assert_allclose(logprobs[0, 0], expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(result.as_numpy("cum_log_probs")[0, 0], logprobs.sum(), rtol=1e-5, atol=1e-4)
 
 

@@ -249,7 +249,8 @@ def test_the_startup_line_names_the_chat_template_file(tiny_code_engine):
     ({"suffix": "}"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"extra_body": {"bad_words": "def"}}, "bad_words"),
 ])
 def test_completion_errors(client, server, kwargs, param):
     kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, **kwargs}

@@ -122,6 +122,25 @@ def test_tp2_seeded_sampling_and_logprobs_equal_tp1(llama_pair):
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4)
 
 
+def test_tp2_context_and_generation_logits_equal_tp1(llama_pair):
+    """Context logits come from every rank's gather of the prompt rows (their targets travel with the step), in
+    chunks of 8 tokens, beside requests that ask for nothing."""
+    tp1, tp2 = llama_pair
+    asks = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_context_logits=True,
+                          return_generation_logits=True)
+    params = [asks if i % 2 == 0 else GREEDY for i in range(len(PROMPTS))]
+    expected, _ = generate(tp1, PROMPTS, params, max_num_tokens=8)
+    got, _ = generate(tp2, PROMPTS, params, max_num_tokens=8)
+    for g, e, p in zip(got, expected, params):
+        assert g.token_ids == e.token_ids
+        if p is asks:
+            assert g.context_logits.shape[0] == len(g.prompt_token_ids)
+            torch.testing.assert_close(g.context_logits, e.context_logits, atol=1e-4, rtol=0)
+            torch.testing.assert_close(g.generation_logits, e.generation_logits, atol=1e-4, rtol=0)
+        else:
+            assert g.context_logits is None and g.generation_logits is None
+
+
 def test_tp2_memory_report_is_per_rank(llama_pair):
     tp1, tp2 = llama_pair
     with LLM(tp1) as one, LLM(tp2) as two:

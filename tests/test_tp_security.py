@@ -97,7 +97,8 @@ def scheduler_steps() -> list[StepInput]:
     steps = []
     while sim.sched.has_unfinished():
         out = sim.step()
-        targets = {r.request_id: PromptLogprobTarget(list(range(r.num_prompt_tokens)), top_k=i % 3)
+        targets = {r.request_id: PromptLogprobTarget(list(range(r.num_prompt_tokens)), top_k=i % 3,
+                                                     logprobs=i % 4 != 2, logits=i % 4 == 2)
                    for i, r in enumerate(out.requests) if i % 2 == 0}
         steps.append(StepInput(out, targets))
     assert sim.num_preemptions > 0 and any(s.schedule.preempted_ids for s in steps)
@@ -187,9 +188,11 @@ def mutated(**changes) -> bytes:
     (mutated(preempted=[None]), "'preempted' must be a list of strings"),
     (mutated(copies=[3, 4, 5]), "'copies' has 3 entries: .* an even number"),
     (mutated(copies=[3, -4]), r"'copies'\[1\]=-4 is out of range"),
-    (mutated(targets=[["a", [1, 2, 3], -1]]), r"'targets'\[0\]\[2\] \(top_k\)=-1 is out of range"),
-    (mutated(targets=[["a", [1, 2, 3], 0, "x"]]), r"'targets'\[0\] must be \[request id, prompt token ids, top_k\]"),
-    (mutated(targets=[["a", [1, 2.0], 0]]), r"'targets'\[0\]\[1\]\[1\] must be an integer"),
+    (mutated(targets=[["a", [1, 2, 3], -1, True, False]]), r"'targets'\[0\]\[2\] \(top_k\)=-1 is out of range"),
+    (mutated(targets=[["a", [1, 2, 3], 0, "x"]]),
+     r"'targets'\[0\] must be \[request id, prompt token ids, top_k, logprobs, logits\]"),
+    (mutated(targets=[["a", [1, 2.0], 0, True, False]]), r"'targets'\[0\]\[1\]\[1\] must be an integer"),
+    (mutated(targets=[["a", [1, 2], 0, 1, False]]), r"'targets'\[0\]\[3:5\] \(logprobs, logits\) must be true"),
     (mutated(targets={"a": [1]}), "'targets' must be a list"),
 ])
 def test_codec_rejects_anything_off_schema(data, error):
@@ -211,7 +214,7 @@ def test_codec_covers_every_field():
                                        "num_sampled", "lora_int_id"}
     assert names[SchedulerOutput] == {"requests", "preempted_ids", "block_copies"}
     assert names[StepInput] == {"schedule", "prompt_logprob_targets", "token_feed"}
-    assert names[PromptLogprobTarget] == {"token_ids", "top_k"}
+    assert names[PromptLogprobTarget] == {"token_ids", "top_k", "logprobs", "logits"}
     assert names[RuntimeConfig] == set(step_codec._RUNTIME_FIELDS)
     assert names[RankLaunch] == set(step_codec._LAUNCH_FIELDS)
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serve_util import MODEL_NAME, start_server
+from serve_util import MODEL_NAME, start_server, stream_results
 
 from kiln.cli import main
 from kiln.runtime import LLM, SamplingParams
+from kiln.serve.tritonserver.logits_outputs import EXTRA_OUTPUTS
 from kiln.serve.tritonserver.schema import DATATYPES
 
 PROMPTS = ["def add(a, b):", "class Stack:"]
@@ -50,7 +51,8 @@ def _all_outputs(client, module, **kwargs):
     metadata = client.get_model_metadata(MODEL_NAME)
     names = [o["name"] for o in metadata["outputs"]] if isinstance(metadata, dict) else \
         [o.name for o in metadata.outputs]
-    assert names == ["text_output", "output_log_probs", "cum_log_probs"]
+    assert names == ["text_output", "output_log_probs", "cum_log_probs", "output_ids", "sequence_length",
+                     *EXTRA_OUTPUTS]  # logits and perf metrics: zeros unless asked (test_logits_outputs.py)
     return [module.InferRequestedOutput(name, **kwargs) for name in names]
 
 
@@ -58,7 +60,7 @@ def _check_without_log_probs(result, prompts, greedy):
     texts = [t if isinstance(t, str) else t.decode() for t in result.as_numpy("text_output").ravel()]
     assert texts == [p + greedy[p].text for p in prompts]
     logprobs, cum = result.as_numpy("output_log_probs"), result.as_numpy("cum_log_probs")
-    assert logprobs.dtype == np.float32 and logprobs.shape == (len(prompts), 0)
+    assert logprobs.dtype == np.float32 and logprobs.shape == (len(prompts), 1, 0)  # [batch, beam, len]
     assert cum.dtype == np.float32 and cum.shape == (len(prompts), 1) and not cum.any()
 
 
@@ -97,20 +99,14 @@ def test_grpc_stream_answers_every_listed_output_without_return_log_probs(grpc, 
     try:
         grpc.async_stream_infer(MODEL_NAME, _inputs(grpcclient, stream=(stream, "BOOL")),
                                 outputs=_all_outputs(grpc, grpcclient), request_id="pa")
-        results = []
-        while True:
-            result, error = responses.get(timeout=60)
-            assert error is None, error
-            results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
+        results = stream_results(responses)
     finally:
         grpc.stop_stream()
     assert len(results) > 1 if stream else len(results) == 1
     text = "".join(r.as_numpy("text_output")[0, 0].decode() for r in results)
     assert text == (greedy[PROMPTS[0]].text if stream else PROMPTS[0] + greedy[PROMPTS[0]].text)
     for r in results:
-        assert r.as_numpy("output_log_probs").shape == (1, 0) and r.as_numpy("cum_log_probs").tolist() == [[0.0]]
+        assert r.as_numpy("output_log_probs").shape == (1, 1, 0) and r.as_numpy("cum_log_probs").tolist() == [[0.0]]
 
 
 def test_a_batch_mixing_return_log_probs_pads_the_rows_without(http, greedy):
@@ -118,7 +114,7 @@ def test_a_batch_mixing_return_log_probs_pads_the_rows_without(http, greedy):
                         outputs=_all_outputs(http, httpclient))
     logprobs, cum = result.as_numpy("output_log_probs"), result.as_numpy("cum_log_probs")
     first = greedy[PROMPTS[0]].logprobs
-    np.testing.assert_allclose(logprobs[0, :len(first)], first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logprobs[0, 0, :len(first)], first, rtol=1e-5, atol=1e-5)
     assert not logprobs[1].any() and cum[1, 0] == 0.0
     assert cum[0, 0] == pytest.approx(sum(first), abs=1e-4)
 

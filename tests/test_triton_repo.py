@@ -228,7 +228,7 @@ def test_streaming_and_whole_requests_run_together_and_a_new_one_joins(model, re
     # The request that came later joined the running batch: its first piece came before the first one ended.
     assert joining.sender.sends[0][0] < streaming.sender.sends[-1][0]
     assert streamed(joining) == references[PROMPTS[2]].text
-    logprobs = np.concatenate([outputs_of(r)["output_log_probs"][0] for r in joining.sender.responses])
+    logprobs = np.concatenate([outputs_of(r)["output_log_probs"][0, 0] for r in joining.sender.responses])
     np.testing.assert_allclose(logprobs, references[PROMPTS[2]].logprobs, atol=1e-4)
     cum = outputs_of(joining.sender.responses[-1])["cum_log_probs"]
     assert cum.shape == (1, 1) and cum.dtype == np.float32
@@ -244,7 +244,7 @@ def test_a_request_of_several_rows_gets_one_response_with_a_row_each(model, refe
     assert flags == FINAL and texts(response) == [references[PROMPTS[3]].text, references[PROMPTS[0]].text]
     for row, prompt in enumerate((PROMPTS[3], PROMPTS[0])):
         expected = references[prompt].logprobs
-        np.testing.assert_allclose(out["output_log_probs"][row, :len(expected)], expected, atol=1e-4)
+        np.testing.assert_allclose(out["output_log_probs"][row, 0, :len(expected)], expected, atol=1e-4)
         np.testing.assert_allclose(out["cum_log_probs"][row, 0], sum(expected), atol=1e-3)
 
 

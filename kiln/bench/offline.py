@@ -3,7 +3,7 @@
 Prompts are random token ids (seeded), so any engine works, dummy weights included, and no two prompts share
 a prefix the cache could reuse; or, with `prompt_text`, windows of a real text (what speculative decoding
 needs: random tokens give a proposer nothing to guess). Generation ignores EOS, so every request produces
-exactly output_len tokens.
+exactly output_len tokens. With a `BenchLoRA`, requests take its adapters round-robin (kiln/bench/lora.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from kiln.bench.lora import NO_LORA, BenchLoRA
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.engine.llm import LLM
 
@@ -77,16 +78,19 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def run_latency(llm: LLM, spec: BenchSpec) -> dict:
+def run_latency(llm: LLM, spec: BenchSpec, loras: BenchLoRA = NO_LORA) -> dict:
     """Batch 1: time to first token, decode tokens/s (tokens after the first over the time after it) and
     inter-token latency p50/p99 over all timed iterations. An update that brings several tokens (accepted
-    drafts) counts its gap once per token."""
+    drafts) counts its gap once per token. Iteration i runs `loras`' adapter i (round-robin; warm-up first)."""
     prompts = make_prompts(llm, spec, spec.warmup + spec.num_iters, spec.seed)
+    adapters = loras.assign(len(prompts))
+    if spec.warmup and loras.adapters:  # read every adapter before the clock starts (LLM reads them in stream)
+        llm.generate([prompts[0]] * len(loras.adapters), _params(spec, 1), list(loras.adapters))
     ttfts, decode_rates, itls, totals = [], [], [], []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
         start = time.perf_counter()
         stamps: list[tuple[float, int]] = []  # (time, tokens so far) at each update that added tokens
-        for out in llm.stream(prompt, _params(spec)):
+        for out in llm.stream(prompt, _params(spec), lora_request=adapter):
             if not stamps or len(out.token_ids) > stamps[-1][1]:
                 stamps.append((time.perf_counter(), len(out.token_ids)))
         if i < spec.warmup:
@@ -106,18 +110,22 @@ def run_latency(llm: LLM, spec: BenchSpec) -> dict:
     }
 
 
-def run_throughput(llm: LLM, spec: BenchSpec) -> dict:
-    """`num_requests` requests at once through in-flight batching; output and total tokens per second."""
+def run_throughput(llm: LLM, spec: BenchSpec, loras: BenchLoRA = NO_LORA) -> dict:
+    """`num_requests` requests at once through in-flight batching; output and total tokens per second. Request
+    i runs `loras`' adapter i (round-robin)."""
     if spec.warmup:
         # Compiles the kernels of the run's step shapes before the clock starts: prefill steps, full decode
         # batches, and the mixed steps in which a second wave of requests joins the first as it finishes.
         # (One wave of 4 tokens left kernels of mixed steps to compile inside the timed run: on a machine with
         # a cold Triton cache, FP8 128/128 measured 16,956 output tok/s, then 21,128 on the next run.)
         waves = min(spec.num_requests, 2 * llm.engine.runtime.max_batch_size)
-        llm.generate(make_prompts(llm, spec, waves, spec.seed + 1), _params(spec, min(spec.output_len, 8)))
+        # The warm-up runs the adapters too, so none is read from disk inside the timed run.
+        llm.generate(make_prompts(llm, spec, waves, spec.seed + 1), _params(spec, min(spec.output_len, 8)),
+                     loras.assign(waves))
     prompts = make_prompts(llm, spec, spec.num_requests, spec.seed)
+    adapters = loras.assign(spec.num_requests)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, _params(spec))
+    outputs = llm.generate(prompts, _params(spec), adapters)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
     return {

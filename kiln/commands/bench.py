@@ -34,6 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="prompts are --input-len-token windows of this text (default: random tokens); "
                             "speculative decoding needs real text to guess from")
         q.add_argument("--output", default=None, help="also write the results as JSON to this file")
+        q.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (Hugging Face PEFT directories) as name=path or JSON {\"name\": ..., "
+                            "\"path\": ...}; requests take the first --num-loras of them round-robin; needs "
+                            "--enable-lora (default: none)")
+        q.add_argument("--num-loras", type=int, default=None, metavar="K",
+                       help="distinct adapters the requests use, the first K of --lora-modules (0: every request "
+                            "runs the base model; default: all of them)")
         add_runtime_args(q)
     lat.add_argument("--num-iters", type=int, default=3, help="timed runs (default: 3)")
     lat.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: 1)")
@@ -85,8 +92,10 @@ def run_offline(args: argparse.Namespace) -> int:
 
     import torch
 
+    from kiln.bench.lora import bench_loras
     from kiln.bench.offline import BenchSpec, format_table, run_latency, run_throughput
     from kiln.runtime import LLM
+    from kiln.serve.lora_modules import parse_lora_module
 
     from .text_file import read_text_arg
 
@@ -94,11 +103,14 @@ def run_offline(args: argparse.Namespace) -> int:
                      num_requests=getattr(args, "num_requests", 1), num_iters=args.num_iters, warmup=args.warmup,
                      seed=args.seed,
                      prompt_text=read_text_arg(args.prompt_file, "--prompt-file") if args.prompt_file else None)
+    options = runtime_options(args)
+    loras = bench_loras([parse_lora_module(m) for m in args.lora_modules], args.num_loras, options.enable_lora)
     start = time.perf_counter()
-    llm = LLM(args.engine, options=runtime_options(args))
+    llm = LLM(args.engine, options=options)
     startup = time.perf_counter() - start
     engine, runtime = llm.engine, llm.engine.runtime
-    results = run_latency(llm, spec) if args.bench_kind == "latency" else run_throughput(llm, spec)
+    run_kind = run_latency if args.bench_kind == "latency" else run_throughput
+    results = run_kind(llm, spec, loras)
     device = runtime.device
     summary = {
         "benchmark": args.bench_kind, "engine": str(args.engine), "spec": dataclasses.asdict(spec),
@@ -108,11 +120,15 @@ def run_offline(args: argparse.Namespace) -> int:
         "startup_s": startup, "graph_capture_s": engine.graph_capture_seconds,
         "memory": dataclasses.asdict(engine.memory_report), **results,
         "speculation": llm.speculation_stats(),
+        "lora": {"enable_lora": runtime.enable_lora, **loras.to_json(), "stats": llm.lora_stats()},
     }
     rows = [("benchmark", f"{args.bench_kind} on {summary['device']} ({summary['dtype']})"),
             ("input / output tokens", f"{spec.input_len} / {spec.output_len}"),
             ("startup (load to ready) s", f"{startup:.2f}"),
             ("CUDA graph capture s", f"{engine.graph_capture_seconds:.2f}")]
+    if runtime.enable_lora:
+        names = ", ".join(a.lora_name for a in loras.adapters) or "none: every request runs the base model"
+        rows.append(("LoRA adapters (round-robin)", f"{len(loras.adapters)} ({names})"))
     if args.bench_kind == "latency":
         rows += [("time to first token ms", f"{results['ttft_ms']:.2f}"),
                  ("decode tokens/s", f"{results['decode_tokens_per_s']:.1f}"),

@@ -14,7 +14,7 @@ def _bool(text: str) -> bool:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kiln.serve.tritonserver.repository import SCHEDULER_POLICIES
+    from kiln.serve.tritonserver.repository import LAYOUTS, SCHEDULER_POLICIES
 
     p = sub.add_parser(
         "triton-repo", help="write a Triton Inference Server model repository for an engine",
@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-site-path", dest="record_site", action="store_false",
                    help="do not record this Python's site directories (kiln is installed in the backend's own "
                         "environment, e.g. inside Triton's container)")
+    p.add_argument("--layout", choices=LAYOUTS, default="single",
+                   help="single: one model (REPO/NAME); ensemble: TensorRT-LLM backend's models preprocessing, "
+                        "tensorrt_llm (the engine, token ids in and out), postprocessing, ensemble and "
+                        "tensorrt_llm_bls, for clients that address them by name (default single)")
     p.add_argument("--force", action="store_true", help="replace an existing REPO/NAME")
     p.set_defaults(run=run)
 
@@ -67,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
         enable_kv_cache_reuse=args.enable_kv_cache_reuse, force=args.force, python_path=args.python_path,
         record_site=args.record_site, enable_lora=args.enable_lora, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, layout=args.layout)
     repo = model.model_dir.parent
     print(f"wrote {model.config_file} (python backend, decoupled, max_batch_size {model.max_batch_size}, "
           f"{model.instance_kind})")
     print(f"wrote {model.model_file}")
+    for other in model.layout_models:
+        if other != model.model_dir:
+            print(f"wrote {other}")
     if model.python_path:
         print(f"model.py adds to the Python backend's sys.path: {', '.join(model.python_path)}")
     print(f"serve it with: tritonserver --model-repository {repo}  (the Python backend's interpreter needs "

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kiln.runtime import LoRARequest, Prompt
-from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.core.request_failure import EngineDeadError, RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.engine.async_llm import AsyncLLM
@@ -38,6 +38,12 @@ class Delta:
     @property
     def finished(self) -> bool:
         return self.output.finished
+
+    @property
+    def beams(self) -> list[CompletionOutput] | None:
+        """Beam search: the current beams whole, best first (each update holds them all; `text`, `token_ids` and
+        `logprobs` are then empty); None for a plain request."""
+        return getattr(self.output, "beam_outputs", None)
 
     @property
     def finish_reason(self) -> str | None:
@@ -175,11 +181,13 @@ class EngineService:
                 outcome = "rejected"
                 raise engine_refusal(e, guided_field) from None
             metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            generated = 0  # tokens so far (beam search: of the best beam)
             while True:
                 now = time.perf_counter()
-                new = len(out.token_ids)
+                # a beam search's update holds its beams whole: what it added is how far the best one grew
+                new = len(out.token_ids) if out.beam_outputs is None else max(0, len(out.token_ids) - generated)
                 if new > 0:
-                    if not progress.token_ids:
+                    if not generated:
                         metrics.time_to_first_token.observe(now - start)
                         new_gaps = new - 1
                     else:
@@ -188,12 +196,17 @@ class EngineService:
                         metrics.inter_token_latency.observe((now - last) / new)
                     metrics.generation_tokens.inc(new)
                     last = now
-                delta = Delta(progress.add(out), out.text, out.token_ids, out.logprobs or [], out.top_logprobs or [])
+                    generated += new
+                if out.beam_outputs is not None:  # nothing to add up: the update is the beams as they stand
+                    delta = Delta(out, "", [])
+                else:
+                    delta = Delta(progress.add(out), out.text, out.token_ids, out.logprobs or [],
+                                  out.top_logprobs or [])
                 if out.finished:
                     outcome = out.finish_reason
                     if cut_off_is_error and outcome == "abort":
                         raise Unavailable(f"the request was cut off by server shutdown after "
-                                          f"{len(progress.token_ids)} generated token(s); send it again to a "
+                                          f"{generated} generated token(s); send it again to a "
                                           f"running server")
                     metrics.e2e_latency.observe(now - start)
                     yield delta

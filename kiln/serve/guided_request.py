@@ -191,4 +191,10 @@ def engine_refusal(error: Exception, guided_field: str | None) -> InvalidRequest
     """A ValueError from adding a request -> the InvalidRequest to answer with (param: the field to blame when
     it is the constraint, else None for the caller to fill in)."""
     blamed = guided_field if guided_field and is_guided_error(error) else None
+    for field in _CHECKED_BY_ENGINE:  # token ids checked against the model's vocabulary (sampling/bad_words.py)
+        if str(error).startswith(f"SamplingParams.{field}="):
+            blamed = field
     return InvalidRequest(refusal_message(error, guided_field), blamed)
+
+
+_CHECKED_BY_ENGINE = ("logit_bias", "bad_words_token_ids", "stop_token_sequences")

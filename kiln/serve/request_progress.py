@@ -25,6 +25,11 @@ class RequestProgress:
         self.num_cached_tokens = 0
         self._text: list[str] = []  # pieces, joined when read
         self.text_len = 0
+        # What a request may ask for besides its tokens: context logits (first update), generation logits rows
+        # (per update, joined when read) and its latest perf metrics.
+        self.context_logits = None
+        self.generation_logits: list | None = None
+        self.perf_metrics = None
 
     def add(self, out: RequestOutput) -> CumulativeOutput:
         """Adds one delta update; returns the cumulative output as of it."""
@@ -41,6 +46,14 @@ class RequestProgress:
         if self.top_logprobs is not None:
             self.top_logprobs.extend(out.top_logprobs or ())
         self.num_cached_tokens = out.num_cached_tokens
+        if out.context_logits is not None:
+            self.context_logits = out.context_logits
+        if out.generation_logits is not None:  # a cumulative view reads its first rows only: appending is safe
+            if self.generation_logits is None:
+                self.generation_logits = []
+            self.generation_logits.append(out.generation_logits)
+        if out.perf_metrics is not None:
+            self.perf_metrics = out.perf_metrics
         return CumulativeOutput(self, len(self.token_ids), self.text_len, out.finish_reason)
 
     def text(self, length: int) -> str:
@@ -66,6 +79,8 @@ class CumulativeOutput:
         self.prompt_top_logprobs = first.prompt_top_logprobs
         self.num_cached_tokens = progress.num_cached_tokens
         self.finish_reason = finish_reason
+        self.context_logits = progress.context_logits
+        self.perf_metrics = progress.perf_metrics
 
     @property
     def finished(self) -> bool:
@@ -88,3 +103,15 @@ class CumulativeOutput:
     def top_logprobs(self) -> list[dict[int, float]] | None:
         values = self._progress.top_logprobs
         return None if values is None else values[:self._num_tokens]
+
+    @cached_property
+    def generation_logits(self):
+        """[tokens so far, V] float32 (a torch.Tensor), when the request asked for them."""
+        parts = self._progress.generation_logits
+        if parts is None:
+            return None
+        import torch  # only requests that asked for logits get here
+
+        parts = [p for p in parts if p.numel()]
+        joined = torch.cat(parts) if parts else torch.empty(0, 0)
+        return joined[:self._num_tokens]

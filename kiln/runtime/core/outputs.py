@@ -4,7 +4,9 @@ SamplingParams.output_kind="delta" what is new since the previous update."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from kiln.runtime.core.perf_metrics import RequestPerfMetrics
 from kiln.runtime.core.request_failure import RequestFailure
 
 
@@ -21,6 +23,9 @@ class CompletionOutput:
     logprobs: list[float] | None
     finish_reason: str | None
     score: float | None = None  # beam search: what the beams are ranked by
+    # SamplingParams.return_generation_logits: a float32 torch.Tensor [len(token_ids), vocab], the raw logits
+    # each token was chosen from (TensorRT-LLM's CompletionOutput.generation_logits); None when not asked.
+    generation_logits: Any = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,14 @@ class RequestOutput:
     error: RequestFailure | None = None
     # Beam search: the B beams, best first (the fields above describe the first); None for a plain request.
     beam_outputs: list[CompletionOutput] | None = None
+    # SamplingParams.return_context_logits: a float32 torch.Tensor [len(prompt_token_ids), vocab], the raw logits
+    # at every prompt position (TensorRT-LLM's name), once the prompt is computed (with output_kind "delta" in
+    # that update only); shared, not copied: read it, do not write it. None when not asked.
+    context_logits: Any = None
+    # SamplingParams.return_generation_logits: [len(token_ids), vocab] float32 for the tokens above (a plain
+    # request's; a beam's are its CompletionOutput's).
+    generation_logits: Any = None
+    perf_metrics: RequestPerfMetrics | None = None  # SamplingParams.return_perf_metrics: timings, KV-cache reuse
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -52,7 +65,8 @@ class RequestOutput:
         if self.beam_outputs is not None:
             return list(self.beam_outputs)
         cumulative = sum(self.logprobs) if self.logprobs is not None else None
-        return [CompletionOutput(0, self.text, list(self.token_ids), cumulative, self.logprobs, self.finish_reason)]
+        return [CompletionOutput(0, self.text, list(self.token_ids), cumulative, self.logprobs, self.finish_reason,
+                                 generation_logits=self.generation_logits)]
 
     @property
     def finished(self) -> bool:

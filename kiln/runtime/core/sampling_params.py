@@ -19,6 +19,9 @@ MAX_TOP_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # Beam search's early_stopping values (Hugging Face's and TensorRT-LLM's).
 EARLY_STOPPING = (True, False, "never")
+# Caps on the banned words of one request: each is checked at every step of that request.
+MAX_BAD_WORDS = 256
+MAX_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,11 @@ class SamplingParams:
     RequestOutputKind): "cumulative" updates hold everything so far; "delta" updates hold only what is new
     since the previous one (tokens, text, logprobs; prompt logprobs in the first), so a stream costs the
     host in proportion to new tokens, not to the output so far; "final_only" gives one update, when the
-    request ends (`LLM.generate` always does).
+    request ends (`LLM.generate` always does). `return_context_logits` / `return_generation_logits`
+    (TensorRT-LLM's): the model's raw float32 logits (before penalties, temperature, masks or biases) at every
+    prompt position ([prompt_len, vocab], `RequestOutput.context_logits`; the request skips the prefix cache)
+    and for every generated token ([len, vocab], `generation_logits`); `return_perf_metrics`: the request's
+    timings and KV-cache reuse (`RequestOutput.perf_metrics`).
     """
 
     max_tokens: int = 16
@@ -71,6 +78,19 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # TensorRT-LLM's LLM API names: the raw logits of every prompt position (RequestOutput.context_logits),
+    # of every generated token (CompletionOutput.generation_logits), and the request's timings and KV-cache
+    # reuse (RequestOutput.perf_metrics). Only requests that ask pay for them.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    return_perf_metrics: bool = False
+    # Words never generated (vLLM's bad_words: strings, matched on text; TensorRT-LLM's bad_words_list: token-id
+    # sequences), multi-token stop sequences (TensorRT-LLM's stop_words_list) and vLLM's / OpenAI's logit_bias
+    # (token id -> added to its logit). Semantics and guarantees: runtime/core/bad_words.py.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / list for stop and a list for stop_token_ids, store tuples.
@@ -103,7 +123,8 @@ class SamplingParams:
                      "must be non-negative integers")
         _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                  self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens"):
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "return_context_logits",
+                     "return_generation_logits", "return_perf_metrics"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "must be True or False")
         _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
@@ -122,7 +143,37 @@ class SamplingParams:
                  "must be None (the engine's) or an integer >= 0 (0: not speculated)")
         _require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind,
                  f"must be one of {', '.join(OUTPUT_KINDS)}")
+        self._check_word_lists()
         self._check_beam_search()
+
+    def _check_word_lists(self) -> None:
+        """bad_words, bad_words_token_ids, stop_token_sequences: normalized to tuples; logit_bias: to a dict of
+        int -> float (None when empty)."""
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        object.__setattr__(self, "bad_words", words)
+        _require(len(words) <= MAX_BAD_WORDS, "bad_words", f"<{len(words)} words>", f"at most {MAX_BAD_WORDS} words")
+        for w in words:
+            _require(isinstance(w, str) and w.strip() != "" and len(w) <= MAX_WORD_CHARS, "bad_words", w,
+                     f"each must be a string with a non-space character, at most {MAX_WORD_CHARS} characters")
+        for name in ("bad_words_token_ids", "stop_token_sequences"):
+            value = getattr(self, name)
+            try:
+                seqs = tuple(tuple(seq) for seq in value)
+            except TypeError:
+                seqs = None
+            _require(seqs is not None, name, value, "must be a list of token-id lists")
+            _require(len(seqs) <= MAX_BAD_WORDS, name, f"<{len(seqs)} sequences>", f"at most {MAX_BAD_WORDS}")
+            for seq in seqs:
+                _require(0 < len(seq) <= MAX_WORD_CHARS and all(_is_int(t) and t >= 0 for t in seq), name, list(seq),
+                         f"each must be 1 to {MAX_WORD_CHARS} token ids, each an integer >= 0")
+            object.__setattr__(self, name, seqs)
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _require(hasattr(bias, "items"), "logit_bias", bias, "must be None or a dict of token id -> bias")
+            for token, value in bias.items():
+                _require(_is_int(token) and token >= 0, "logit_bias", token, "keys must be token ids (integers >= 0)")
+                _require(_is_num(value), "logit_bias", value, "values must be finite numbers")
+            object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()} or None)
 
     def _check_beam_search(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
@@ -139,7 +190,8 @@ class SamplingParams:
                  "must be 0 or 1 with use_beam_search (beam search is deterministic: no temperature)")
         defaults = SamplingParams()
         for name in ("top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "min_tokens", "guided_decoding", "prompt_logprobs", "top_logprobs"):
+                     "frequency_penalty", "min_tokens", "guided_decoding", "prompt_logprobs", "top_logprobs",
+                     "bad_words", "bad_words_token_ids", "logit_bias"):
             value = getattr(self, name)
             _require(value == getattr(defaults, name), name, value,
                      f"is not supported with use_beam_search (leave it at {getattr(defaults, name)!r})")
@@ -152,6 +204,17 @@ class SamplingParams:
     def beam_width(self) -> int:
         """Beams kept per step: n with beam search, else 0 (no beam search)."""
         return self.n if self.use_beam_search else 0
+
+    @property
+    def needs_prompt_positions(self) -> bool:
+        """Whether every prompt position must be computed (prompt logprobs, context logits): such a request
+        skips the prefix cache."""
+        return self.prompt_logprobs or self.return_context_logits
+
+    @property
+    def has_word_bans(self) -> bool:
+        """Whether each step bans tokens after the text so far (bad_words, bad_words_token_ids)."""
+        return bool(self.bad_words or self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

@@ -158,9 +158,10 @@ class Scheduler:
                     budget < rows or num_rows + rows > self.limits.max_batch_size:
                 break  # first come, first served: nobody overtakes the head of the queue
             # A preempted request looks up its generated tokens too: its own blocks may still be cached.
-            # Prompt logprobs need every prompt position computed, so those requests skip the cache.
+            # Prompt logprobs and context logits need every prompt position computed: those requests skip the
+            # cache.
             prefix = CachedPrefix()
-            if not request.sampling_params.prompt_logprobs:
+            if not request.sampling_params.needs_prompt_positions:
                 prefix = self._cached_prefix(request)
             num_new = min(request.num_tokens - prefix.num_tokens, budget // rows)
             if not self._admit(request, prefix.num_tokens + num_new, prefix):

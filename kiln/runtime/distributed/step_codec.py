@@ -11,8 +11,8 @@ naming the field, anything else included.
 A step is columns, not one object per request: `ids`, `ntok` (tokens per request), `tokens` (all requests'
 tokens, concatenated), `start`, `nprompt`, `nsampled`, `stamp` (the `BlockTable` stamp, 0 for a table without
 one), `nblk` (the table's length), `have` (how many of its blocks the ranks hold already), `blocks` (each table's
-blocks from `have` on, concatenated), `preempted`, and `targets` ([request id, prompt token ids, top_k] per
-prompt-logprob target). Flat integer lists are what `json` encodes and decodes fastest, and what the decoder
+blocks from `have` on, concatenated), `preempted`, and `targets` ([request id, prompt token ids, top_k, logprobs, logits] per
+prompt-logprob or context-logits target). Flat integer lists are what `json` encodes and decodes fastest, and what the decoder
 checks in C (`set(map(type, ...))`, `min`, `max`) rather than element by element in Python.
 
 Block tables travel as what they gained: a stamped table only grows (`block_table.py`), so the encoder and every
@@ -149,7 +149,8 @@ class StepEncoder:
             stamps.append(stamp)
             nblk.append(n)
             have.append(known)
-        targets = [[rid, list(t.token_ids), t.top_k] for rid, t in step.prompt_logprob_targets.items()]
+        targets = [[rid, list(t.token_ids), t.top_k, t.logprobs, t.logits]
+                   for rid, t in step.prompt_logprob_targets.items()]
         try:
             data = _DUMPS({"kind": "step", "v": FORMAT_VERSION, "ids": ids, "ntok": ntok, "tokens": tokens,
                            "start": start, "nprompt": nprompt, "nsampled": nsampled, "stamp": stamps, "nblk": nblk,
@@ -254,16 +255,19 @@ def _targets(value: Any) -> dict[str, PromptLogprobTarget]:
     out = {}
     for i, item in enumerate(value):
         where = f"'targets'[{i}]"
-        if type(item) is not list or len(item) != 3:
-            raise StepCodecError(f"step field {where} must be [request id, prompt token ids, top_k]")
-        rid, token_ids, top_k = item
+        if type(item) is not list or len(item) != 5:
+            raise StepCodecError(f"step field {where} must be [request id, prompt token ids, top_k, logprobs, "
+                                 f"logits]")
+        rid, token_ids, top_k, logprobs, logits = item
+        if type(logprobs) is not bool or type(logits) is not bool:
+            raise StepCodecError(f"step field {where}[3:5] (logprobs, logits) must be true or false")
         if type(rid) is not str:
             raise StepCodecError(f"step field {where}[0] (request id) must be a string, got {type(rid).__name__}")
         if rid in out:
             raise StepCodecError(f"step field {where}: request id {rid!r} appears twice")
         token_ids = int_list({"token_ids": token_ids}, "token_ids", 0, INT32_END, None, f"{where}[1]")
         top_k = int_value(top_k, 0, INT32_END, f"step field {where}[2] (top_k)")
-        out[rid] = PromptLogprobTarget(token_ids, top_k)
+        out[rid] = PromptLogprobTarget(token_ids, top_k, logprobs, logits)
     return out
 
 

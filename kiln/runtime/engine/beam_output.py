@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from kiln.runtime.core.beam_search import Hypothesis, f32
 from kiln.runtime.core.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.engine.detokenizer import PROMPT_CONTEXT_TOKENS
@@ -52,6 +54,8 @@ def beam_request_output(tracked) -> RequestOutput:
         num_cached_tokens=request.num_cached_prompt_tokens,
         error=tracked.failure if finished else None,
         beam_outputs=completions,
+        generation_logits=best.generation_logits,
+        **{k: v for k, v in tracked.extras(0, 0, True).items() if k != "generation_logits"},
     )
 
 
@@ -69,4 +73,18 @@ def _completion(tracked, index: int, beam: Hypothesis, finished: bool) -> Comple
         text = text[:at] if at >= 0 else text
     return CompletionOutput(index=index, text=text, token_ids=tokens, cumulative_logprob=beam.cumulative_logprob,
                             logprobs=list(beam.logprobs) if params.logprobs else None,
-                            finish_reason=(beam.finish_reason or None) if finished else None, score=beam.score)
+                            finish_reason=(beam.finish_reason or None) if finished else None, score=beam.score,
+                            generation_logits=_generation_logits(tracked, tokens))
+
+
+def _generation_logits(tracked, tokens: list[int]):
+    """A beam's generation logits [len, V] (None unless asked): token i's row was filed under the tokens before
+    it (`ExtraOutputs.copy_generation`)."""
+    if tracked.beam_logits is None:
+        return None
+    rows = []
+    for i in range(len(tokens)):
+        copied, row = tracked.beam_logits[tuple(tokens[:i])]
+        copied.to_host()
+        rows.append(copied.row(row))
+    return torch.stack(rows) if rows else torch.empty(0, 0, dtype=torch.float32)

@@ -142,6 +142,8 @@ class BeamStage:
         chosen = search.step(candidates, self._finish_rule(tracked))
         state.fork(self.blocks, chosen, parents)
         request.output_token_ids = state.output_token_ids
+        if tracked.perf is not None:
+            tracked.perf.tokens()
         self._updated.append(tracked)
         return search.done
 

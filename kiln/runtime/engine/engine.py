@@ -21,12 +21,13 @@ from kiln.runtime.core.request_failure import RequestFailed
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from kiln.runtime.engine.beam_stage import BeamStage, check_beam_search, start_beams
+from kiln.runtime.engine.extra_outputs import ExtraOutputs
 from kiln.runtime.engine.launched import Launched, token_feed
 from kiln.runtime.engine.lora_admission import LoRAAdmission
 from kiln.runtime.engine.text_stage import TextStage
 from kiln.runtime.engine.tracked_request import TrackedRequest
+from kiln.runtime.sampling.bad_words import WordBans
 from kiln.runtime.sampling.min_tokens import apply_min_tokens
-from kiln.runtime.sampling.prompt_logprobs import PromptLogprobTarget
 from kiln.runtime.sampling.sampler import Sampler
 from kiln.runtime.sampling.token_mask import TokenMasker
 from kiln.runtime.speculative.speculator import verification_rows
@@ -65,6 +66,7 @@ class LLMEngine:
         self._guided: GuidedMasker | None = None
         self._guided_lock = threading.Lock()
         self.eos_token_ids = frozenset(info.model_config.eos_token_ids)
+        self.word_bans = WordBans(self.tokenizer, info.model_config.vocab_size, self.eos_token_ids)  # bad words
         self._tracked: dict[str, TrackedRequest] = {}
         self._ids = itertools.count()
         self._inflight: Launched | None = None
@@ -85,6 +87,7 @@ class LLMEngine:
         self.beams = BeamStage(self.block_manager, runtime.max_seq_len)  # beam search's part of each step
         # Adapters of LoRA requests: read off the engine thread (AsyncLLM), admitted and pinned here.
         self.lora = LoRAAdmission(executor, runtime, info.model_config)
+        self.extras = ExtraOutputs()  # context / generation logits and perf metrics, for the requests that ask
 
     @property
     def memory_report(self) -> MemoryReport:
@@ -131,6 +134,7 @@ class LLMEngine:
         if lora_request is not None:
             self.lora.admit(lora_request)
         token_ids = self.tokenize(prompt)
+        params = self.word_bans.prepare(params)  # word lists' token ids checked, stop sequences resolved
         self.check_fits(len(token_ids), params)
         if params.use_beam_search:
             check_beam_search(params, self.info.config.build.max_beam_width, self.runtime, self.speculator)
@@ -142,7 +146,9 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, self.eos_token_ids,
                           lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
                           beams=start_beams(request_id, params, self.eos_token_ids))
-        self._tracked[request_id] = TrackedRequest.start(request, self.tokenizer, self.runtime.device)
+        self._tracked[request_id] = TrackedRequest.start(request, self.tokenizer, self.runtime.device,
+                                                         self.runtime.block_size)
+        self.extras.add(request)
         self.scheduler.add_request(request)
         self.lora.pin(request_id, request.lora_int_id)  # until _release
         return request_id
@@ -220,14 +226,9 @@ class LLMEngine:
         """Runs the network and queues the sampling of a scheduled step. `previous`: the step still in flight
         whose sampled tokens are this step's PLACEHOLDER inputs (async scheduling)."""
         requests = [self.beams.owner(r.request_id, self._tracked).request for r in scheduled.requests]
-        targets = {r.request_id: PromptLogprobTarget(r.prompt_token_ids, r.sampling_params.prompt_top_logprobs)
-                   for r in requests if r.sampling_params.prompt_logprobs}
+        targets = self.extras.targets(scheduled.requests, requests, self._tracked)
         result = self.executor.execute(StepInput(scheduled, targets, token_feed(scheduled, previous)))
-        for request_id, (first, values, tops) in result.prompt_logprobs.items():
-            tracked = self._tracked[request_id]
-            tracked.prompt_logprobs[first + 1:first + 1 + len(values)] = values
-            if tops is not None:
-                tracked.prompt_top_logprobs[first + 1:first + 1 + len(tops)] = tops
+        self.extras.store_prompt(result.prompt_logprobs, lambda rid: self.beams.owner(rid, self._tracked))
         offsets = result.logits_offsets
         if offsets[-1] == len(result.request_ids) and all(offsets[i] == i for i in range(len(offsets))):
             row_ids = list(result.request_ids)  # one row each: a decode batch, the common case
@@ -236,14 +237,17 @@ class LLMEngine:
             row_ids = [rid for i, rid in enumerate(result.request_ids) for _ in result.rows_of(i)]
             rows = verification_rows(scheduled.requests, offsets,
                                      lambda rid: self.beams.sampling_row(rid, self._tracked))
-        sample = beams = None
+        sample = beams = logit_rows = None
         if row_ids:
+            logit_rows = self.extras.copy_generation(result.logits, row_ids,
+                                                     lambda rid: self.beams.owner(rid, self._tracked))
             vocab_size, device = result.logits.shape[1], result.logits.device
             mask = None
             if self.token_masker is not None:
                 mask = self.token_masker.token_mask(row_ids, rows, vocab_size, device)
                 for request_id, failure in self.token_masker.take_failures().items():
                     self._tracked[request_id].failure = failure  # its token is not kept: _complete ends it
+            mask = self.word_bans.apply(mask, rows, vocab_size, device)
             mask = apply_min_tokens(mask, rows, self.eos_token_ids, vocab_size, device)
             drafts = None
             if self.speculator is not None:
@@ -252,8 +256,9 @@ class LLMEngine:
             beams = self.beams.launch(result.logits, row_ids, self._tracked)
         feeds_forward = self.async_scheduling and self.token_masker is None and \
             all(offsets[i + 1] - offsets[i] <= 1 for i in range(len(requests))) and \
-            not any(r.sampling_params.has_penalties or r.beams for r in requests)
-        return Launched(scheduled, result.request_ids, result.logits_offsets, sample, feeds_forward, beams)
+            not any(r.sampling_params.has_penalties or r.sampling_params.has_word_bans or r.beams for r in requests)
+        return Launched(scheduled, result.request_ids, result.logits_offsets, sample, feeds_forward, beams,
+                        logit_rows)
 
     def _complete(self, launched: Launched, resolve: bool = False) -> None:
         """Reads a launched step's tokens back, advances its requests and ends those that hit EOS, a stop
@@ -301,6 +306,8 @@ class LLMEngine:
                 if tracked.top_logprobs is not None:
                     tracked.top_logprobs.append(dict(out.top_logprobs[first_row + k]))
                 self._text.add(tracked, token, num_output + k, last_adds_text or k < kept - 1)
+            if tracked.generation_logits is not None or tracked.perf is not None:
+                tracked.keep_generated(launched.logit_rows, first_row, tokens, drafts)
             if status is not None:
                 endings.append((request_id, status))
         endings += self.beams.complete(launched.schedule, launched.beams, self._tracked)
@@ -349,6 +356,7 @@ class LLMEngine:
     def _release(self, request_id: str) -> None:
         """The one place a request leaves the engine (ended, aborted, failed)."""
         self.lora.release(request_id)
+        self.extras.release(request_id)
         if self.token_masker is not None:
             self.token_masker.release(request_id)
         if self.speculator is not None:

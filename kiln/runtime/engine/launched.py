@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kiln.runtime.core.request import PLACEHOLDER
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.engine.beam_stage import LaunchedBeams
+from kiln.runtime.sampling.logit_rows import LogitRows
 from kiln.runtime.sampling.sampler import DeviceSample
 from kiln.runtime.worker.model_step import TokenFeed
 
@@ -24,6 +25,7 @@ class Launched:
     # nothing the next step's sampling needs depends on their values.
     feeds_forward: bool = False
     beams: LaunchedBeams | None = None  # the beam rows' candidates (beam search), still on the device
+    logit_rows: LogitRows | None = None  # generation logits of the requests that asked, on their way to the host
 
 
 def token_feed(scheduled: SchedulerOutput, previous: Launched | None) -> TokenFeed | None:

@@ -86,7 +86,7 @@ def _add_text(tracked: TrackedRequest, token: int, index: int, add_text: bool, f
         return True
     if add_text and tracked.detokenizer.add_token(token) is not None:
         # Tokens sampled after the stop string in the same step are dropped.
-        for values in (request.output_token_ids, tracked.logprobs, tracked.top_logprobs):
+        for values in (request.output_token_ids, tracked.logprobs, tracked.top_logprobs, tracked.generation_logits):
             if values is not None:
                 del values[index + 1:]
         if request.status.finished:  # ended by its length with this very token: the stop string wins

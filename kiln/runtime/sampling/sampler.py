@@ -12,6 +12,7 @@ import torch
 
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.sampling.host_tensors import to_device
+from kiln.runtime.sampling.logit_bias import apply_logit_bias
 from kiln.runtime.speculative.rejection import CheckedDrafts, DraftRows, rejection_rule
 
 # The kinds of random draw a seeded row makes at one output position, each from its own stream: the token
@@ -103,8 +104,8 @@ class DeviceSample:
 class Sampler:
     """Picks the next token of every row of a batch of logits.
 
-    Order: logprobs from the raw logits; repetition, frequency and presence penalties (greedy rows
-    too); the token mask, when given (guided decoding); argmax for greedy rows; for the others
+    Order: logprobs from the raw logits; logit_bias (logit_bias.py); repetition, frequency and presence
+    penalties (greedy rows too); the token mask, when given (guided decoding); argmax for greedy rows; for the others
     temperature, top_k, top_p, min_p, then one draw. All math is batched over rows with per-row parameter
     tensors; a stage no row uses is skipped.
     """
@@ -133,7 +134,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         raw = logits.float()
-        processed = apply_penalties(raw, rows)  # [B, V] float32, a new tensor if any penalty applies
+        # [B, V] float32, a new tensor if any logit bias or penalty applies
+        processed = apply_penalties(apply_logit_bias(raw, rows), rows)
         fallback = raw  # what a row with an empty distribution falls back to (its argmax)
         if token_mask is not None:
             if token_mask.shape != raw.shape or token_mask.dtype != torch.bool:
@@ -167,7 +169,7 @@ class Sampler:
         drawn from, [R, V] float32 (one-hot for greedy rows), or None when every row is greedy.
         logits: [R, V] float32. Returns ([R] int64 tokens, q)."""
         raw = logits.float()
-        processed = apply_penalties(raw, rows)
+        processed = apply_penalties(apply_logit_bias(raw, rows), rows)
         tokens = processed.argmax(dim=-1)  # [R] int64
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random_rows:

@@ -29,13 +29,17 @@ from kiln.serve.guided_request import TRITON_GUIDE_LABEL
 from kiln.serve.http.common import check_api_key
 from kiln.serve.limits import RequestLimits
 from kiln.serve.tritonserver.batch import cancel_and_wait, complete_all, with_loras
+from kiln.serve.tritonserver.beam_rows import beams_of, check_beam_widths
+from kiln.serve.tritonserver.logits_outputs import streamed
 from kiln.serve.tritonserver.request import (
+    Beam,
     TritonRequest,
     check_datatype,
     check_prompt_sizes,
     check_requested_outputs,
     make_outputs,
     numpy_dtype,
+    pad_ids,
     parse_request,
 )
 from kiln.serve.tritonserver.schema import MODEL_VERSION, OUTPUT_SPECS, model_config, model_metadata
@@ -201,7 +205,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, rows: list[TritonRequest], names: Sequence[str]) -> dict[str, np.ndarray]:
         """Every row to completion, concurrently: text_output is the prompt and the generated text."""
         results = await complete_all(self.service, rows, RequestLimits.from_config(self.config))
-        return make_outputs(names, [text for text, _ in results], [logprobs for _, logprobs in results])
+        return make_outputs(names, results, pad_ids(rows, self.service.llm.eos_token_ids))
 
     async def _serve_stream(self, request_iterator, emit: Callable[[pb.ModelStreamInferResponse | None], None]):
         """Runs each incoming request in a task of its own; after the client's last request and their
@@ -228,6 +232,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                                      "one request (batch size 1) at a time", "stream")
             async with with_loras(self.service, rows) as rows:
                 if rows[0].stream:
+                    check_beam_widths(self.service.llm, rows)
                     await self._stream_text(request, rows[0], names, emit, last_is_final=not empty_final)
                 else:
                     outputs = await self._infer(rows, names)
@@ -244,18 +249,27 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _stream_text(self, request: pb.ModelInferRequest, row: TritonRequest, names: Sequence[str],
                            emit: Callable[[pb.ModelStreamInferResponse], None], last_is_final: bool) -> None:
         """One response per new piece of text (never the prompt): output_log_probs holds the piece's tokens,
-        cum_log_probs the sum over all tokens so far."""
+        cum_log_probs the sum over all tokens so far. With beam search (which TensorRT-LLM cannot stream), one
+        response per update holding the current beams whole: their generated text, ids and logprobs."""
         stream = self.service.generate(row.prompt, row.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL,
                                        lora_request=row.lora_request)
         cum_log_prob = 0.0  # over every token so far, shown or not
+        new_ids: list[int] = []
+        first = True  # the first response carries the context logits (when asked)
         async with contextlib.aclosing(stream) as stream:
             async for delta in stream:
                 cum_log_prob += sum(delta.logprobs)
-                if not (delta.text or delta.finished or (row.return_log_probs and delta.logprobs)):
+                new_ids += delta.token_ids  # output_ids: the tokens since the last response
+                pad = pad_ids([row], self.service.llm.eos_token_ids)
+                if delta.beams is not None:
+                    outputs = make_outputs(names, [beams_of(row, delta.output, whole=False)], pad)
+                elif not (delta.text or delta.finished or (row.return_log_probs and delta.logprobs)):
                     continue  # nothing to show yet (e.g. text a stop string might still cut)
-                outputs = make_outputs(names, [delta.text], [delta.logprobs])
-                if "cum_log_probs" in outputs:
-                    outputs["cum_log_probs"][0, 0] = cum_log_prob
+                else:
+                    beam = Beam(delta.text, new_ids, delta.logprobs, cum_log_prob,
+                                **streamed(delta.output, len(new_ids), first))
+                    outputs = make_outputs(names, [[beam]], pad)
+                new_ids, first = [], False
                 final = delta.finished and last_is_final
                 emit(pb.ModelStreamInferResponse(infer_response=self._response(request, outputs, final)))
 

@@ -31,11 +31,15 @@ from kiln.serve.kserve.tensors import (
 )
 from kiln.serve.limits import RequestLimits
 from kiln.serve.tritonserver.batch import complete, complete_all, with_loras
+from kiln.serve.tritonserver.beam_rows import beams_of, check_beam_widths
+from kiln.serve.tritonserver.logits_outputs import generate_fields, streamed
 from kiln.serve.tritonserver.request import (
+    Beam,
     TritonRequest,
     check_prompt_sizes,
     check_requested_outputs,
     make_outputs,
+    pad_ids,
     parse_request,
 )
 from kiln.serve.tritonserver.schema import (
@@ -122,7 +126,7 @@ async def _infer(request: web.Request) -> web.Response:
     names = check_requested_outputs(names, requests)
     async with with_loras(service, requests) as requests:
         results = await complete_all(service, requests, limits)
-    outputs = make_outputs(names, [text for text, _ in results], [lp for _, lp in results])
+    outputs = make_outputs(names, results, pad_ids(requests, service.llm.eos_token_ids))
     response = _infer_response(request_id, name, outputs, binary_names)
     response.enable_compression()  # only when the client's Accept-Encoding asks for it
     return response
@@ -193,14 +197,22 @@ def _checked_generate_request(request: web.Request, body: dict) -> TritonRequest
     generate_request = _generate_request(body)
     limits = RequestLimits.from_config(request.app[CONFIG])
     check_prompt_sizes([generate_request], limits.prompt_chars_limit(request.app[SERVICE].max_seq_len))
+    check_beam_widths(request.app[SERVICE].llm, [generate_request])
     return generate_request
 
 
-def _generate_body(model: str, request: TritonRequest, text: str, logprobs: list[float],
-                   cum_log_prob: float) -> dict:
-    body = {"model_name": model, "model_version": MODEL_VERSION, "text_output": text}
+def _generate_body(model: str, request: TritonRequest, beams: list[Beam]) -> dict:
+    """The generate extension's JSON: a value per output, or with beam search a list of them, one per beam (as
+    Triton gives a tensor of several elements)."""
+    def value(values: list):
+        return values[0] if request.beam_width == 1 else values
+
+    body = {"model_name": model, "model_version": MODEL_VERSION, "text_output": value([b.text for b in beams])}
     if request.return_log_probs:
-        body.update(output_log_probs=logprobs, cum_log_probs=cum_log_prob)
+        body.update(output_log_probs=value([list(b.logprobs) for b in beams]),
+                    cum_log_probs=value([sum(b.logprobs) if b.cum_log_prob is None else b.cum_log_prob
+                                         for b in beams]))
+    body.update(generate_fields(beams, request.beam_width == 1))  # logits and perf metrics, when asked
     return body
 
 
@@ -208,13 +220,14 @@ async def _generate(request: web.Request) -> web.Response:
     name = _model_name(request)
     generate_request = _checked_generate_request(request, await read_json(request))
     async with with_loras(request.app[SERVICE], [generate_request]) as (generate_request,):
-        text, logprobs = await complete(request.app[SERVICE], generate_request)
-    return web.json_response(_generate_body(name, generate_request, text, logprobs, sum(logprobs)))
+        beams = await complete(request.app[SERVICE], generate_request)
+    return web.json_response(_generate_body(name, generate_request, beams))
 
 
 async def _generate_stream(request: web.Request) -> web.StreamResponse:
-    """Server-sent events, one per new piece of text (never the prompt); the last one when finished. An error
-    before the first piece is an ordinary error response; after it, an event `{"error": ...}`."""
+    """Server-sent events, one per new piece of text (never the prompt); the last one when finished. With beam
+    search, one per update, holding the current beams whole (their generated text). An error before the first
+    piece is an ordinary error response; after it, an event `{"error": ...}`."""
     name = _model_name(request)
     service = request.app[SERVICE]
     async with with_loras(service, [_checked_generate_request(request, await read_json(request))]) as rows:
@@ -232,12 +245,19 @@ async def _stream_events(request: web.Request, name: str, service, generate_requ
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         cum_log_prob = 0.0
+        first = True  # the first event carries the context logits (when asked)
         try:
             while True:
-                if delta.text or delta.finished or (generate_request.return_log_probs and delta.logprobs):
-                    cum_log_prob += sum(delta.logprobs)
-                    event = _generate_body(name, generate_request, delta.text, delta.logprobs, cum_log_prob)
+                cum_log_prob += sum(delta.logprobs)
+                if delta.beams is not None:
+                    event = _generate_body(name, generate_request, beams_of(generate_request, delta.output, False))
                     await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                elif delta.text or delta.finished or (generate_request.return_log_probs and delta.logprobs):
+                    beam = Beam(delta.text, delta.token_ids, delta.logprobs, cum_log_prob,
+                                **streamed(delta.output, len(delta.token_ids), first))
+                    event = _generate_body(name, generate_request, [beam])
+                    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    first = False
                 if delta.finished:
                     break
                 delta = await anext(stream)

@@ -28,7 +28,7 @@ from kiln.serve.limits import RequestLimits
 from kiln.serve.openai import lora_routes
 from kiln.serve.openai.chat import chat_job, tool_call_parser
 from kiln.serve.openai.completions import completion_job
-from kiln.serve.openai.request import Choice, Job, check_model, model_in_use, usage
+from kiln.serve.openai.request import Choice, Job, check_model, expand_beams, model_in_use, usage
 
 logger = logging.getLogger("kiln.serve")
 
@@ -86,8 +86,10 @@ async def _answer(request: web.Request, job: Job) -> web.Response:
         return web.Response(status=499)
     if any(out.finish_reason == "abort" for out in finals.values()):
         raise Unavailable("the request was aborted: the server is shutting down")
-    body = _envelope(job, job.object, [job.format_choice(c, finals[c.index]) for c in job.choices])
-    body["usage"] = usage(job.choices, finals)
+    # a beam search's engine request is several choices, one per beam
+    shown = [pair for c in job.choices for pair in expand_beams(c, finals[c.index])]
+    body = _envelope(job, job.object, [job.format_choice(c, out) for c, out in shown])
+    body["usage"] = usage([c for c, _ in shown], {c.index: out for c, out in shown})
     return web.json_response(body)
 
 

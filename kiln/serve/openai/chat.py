@@ -158,10 +158,14 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     keep_stop = common.get_field(body, "include_stop_str_in_output", False, bool, "true or false")
     names = {"max_tokens": limit_field, "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
     top_logprobs = common.get_field(body, "top_logprobs", 0, int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    beams = common.beam_search(body, n, stream, service)  # {} unless use_beam_search
     params = common.sampling_params(body, names, max_tokens=max_tokens, logprobs=want_logprobs,
-                                    top_logprobs=top_logprobs, guided_decoding=guided)
-    choices = [Choice(j, token_ids, p, j == 0, keep_stop=keep_stop)
-               for j, p in enumerate(common.seeded_choices(params, n, names))]
+                                    top_logprobs=top_logprobs, guided_decoding=guided, **beams)
+    if beams:  # one engine request whose n beams are the n choices
+        choices = [Choice(0, token_ids, params, True, keep_stop=keep_stop, beams=n)]
+    else:
+        choices = [Choice(j, token_ids, p, j == 0, keep_stop=keep_stop)
+                   for j, p in enumerate(common.seeded_choices(params, n, names))]
     tokenizer = service.tokenizer
     eos = service.llm.eos_token_ids
 

@@ -20,6 +20,7 @@ from kiln.serve.openai.request import (
     COMMON_FIELDS,
     Choice,
     Job,
+    beam_search,
     check_fields,
     check_max_tokens,
     get_field,
@@ -94,9 +95,10 @@ async def completion_job(service: EngineService, body: dict, limits: RequestLimi
     names = {"top_logprobs": "logprobs", "prompt_top_logprobs": "logprobs"}
     echo_logprobs = echo and k is not None  # the prompt's tokens get logprobs too
     guided, guided_field = openai_guided(body)
+    beams = beam_search(body, n, stream, service)  # {} unless use_beam_search
     params = sampling_params(body, names, max_tokens=max(max_tokens, 1), logprobs=k is not None,
                              top_logprobs=k or 0, prompt_logprobs=echo_logprobs,
-                             prompt_top_logprobs=k if echo_logprobs else 0, guided_decoding=guided)
+                             prompt_top_logprobs=k if echo_logprobs else 0, guided_decoding=guided, **beams)
     check_max_tokens(service, params.max_tokens, "max_tokens")
     tokenizer = service.tokenizer
     tokenize = limits.prompt_tokens(service.tokenize, "prompt")
@@ -118,6 +120,9 @@ async def completion_job(service: EngineService, body: dict, limits: RequestLimi
     prepared = await service.run_prompt_work(tokenize_all, size=sum(len(prompt) for prompt in prompts))
     choices = []
     for i, (token_ids, echoed) in enumerate(prepared):
+        if beams:  # one engine request whose n beams are the prompt's n choices
+            choices.append(Choice(i * n, token_ids, params, True, echoed, max_tokens == 0, keep_stop, beams=n))
+            continue
         for j, choice_params in enumerate(seeded_choices(params, n, names)):
             choices.append(Choice(i * n + j, token_ids, choice_params, j == 0, echoed, max_tokens == 0, keep_stop))
     builders: dict[int, CompletionLogprobs] = {}  # per choice, while it streams

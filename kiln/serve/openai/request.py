@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kiln.runtime import LoRARequest, Prompt
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.sampling_params import SamplingParams
+from kiln.serve.beams import check_beam_width, max_beam_width
 from kiln.serve.client_json import shown
 from kiln.serve.engine_service import Delta, EngineService
 from kiln.serve.errors import InvalidRequest
@@ -31,9 +32,13 @@ GUIDED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "gu
 # Fields whose OpenAI (or vLLM) name and meaning are SamplingParams' own.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                   "skip_special_tokens")
+                   "skip_special_tokens", "bad_words", "logit_bias")
+# OpenAI's logit_bias range (a bias of -100 or 100 in effect bans or forces the token).
+MAX_LOGIT_BIAS = 100
+# vLLM's beam search: n beams, the n best returned as the choices (beam_search.py's fields).
+BEAM_FIELDS = ("use_beam_search", "length_penalty", "early_stopping")
 COMMON_FIELDS = frozenset({"model", "n", "stream", "stream_options", "user", "max_tokens",
-                           "include_stop_str_in_output", *SAMPLING_FIELDS, *GUIDED_FIELDS})
+                           "include_stop_str_in_output", *SAMPLING_FIELDS, *GUIDED_FIELDS, *BEAM_FIELDS})
 # Unsupported fields are fine when null or empty, or at one of these values that ask for nothing.
 _HARMLESS_VALUES = {"tool_choice": ["none"], "modalities": [["text"]],
                     "service_tier": ["auto", "default"], "parallel_tool_calls": [True, False], "store": [False]}
@@ -51,6 +56,7 @@ class Choice:
     # completions' `max_tokens: 0` (with echo): the engine generates one token, which the answer leaves out
     drop_output: bool = False
     keep_stop: bool = False  # `include_stop_str_in_output`: the stop string that ended the text stays in it
+    beams: int = 0  # beam search: the engine request's beams are choices index .. index + beams - 1
 
 
 @dataclass(frozen=True)
@@ -131,10 +137,31 @@ def sampling_params(body: dict, field_names: dict[str, str], **fixed) -> Samplin
         if name in kwargs and not isinstance(kwargs[name], (list, str) if name == "stop" else list):
             rule = "a string or a list of strings" if name == "stop" else "a list of token ids"
             raise InvalidRequest(f"{name}={shown(kwargs[name])} is invalid: must be {rule}", name)
+    if not isinstance(kwargs.get("bad_words", []), list):
+        raise InvalidRequest(f"bad_words={shown(kwargs['bad_words'])} is invalid: must be a list of strings",
+                             "bad_words")
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = _logit_bias(kwargs["logit_bias"])
     try:
         return SamplingParams(**kwargs, **fixed)
     except ValueError as e:
         raise _openai_error(e, field_names) from None
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]} (JSON keys are strings) -> SamplingParams'."""
+    rule = (f'an object mapping token ids to biases in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], such as '
+            '{"50256": -100}')
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"logit_bias={shown(value)} is invalid: must be {rule}", "logit_bias")
+    bias = {}
+    for key, v in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or isinstance(v, bool) \
+                or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias entry {shown(key)}: {shown(v)} is invalid: must be {rule}",
+                                 "logit_bias")
+        bias[int(key)] = float(v)
+    return bias
 
 
 def _openai_error(e: ValueError, field_names: dict[str, str]) -> InvalidRequest:
@@ -159,6 +186,37 @@ def seeded_choices(params: SamplingParams, n: int, field_names: dict[str, str]) 
         return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
     except ValueError as e:
         raise _openai_error(e, field_names) from None
+
+def beam_search(body: dict, n: int, stream: bool, service: EngineService) -> dict:
+    """vLLM's `use_beam_search` (with `length_penalty`, `early_stopping`) -> SamplingParams' beam-search fields
+    ({} without it: `n` choices are then n requests sampled apart). The beam width is `n`, within the engine's
+    max_beam_width; streaming is refused (as vLLM, which computes the beams and answers once)."""
+    if not get_field(body, "use_beam_search", False, bool, "true or false"):
+        return {}
+    if stream:
+        raise InvalidRequest("stream=true cannot be combined with use_beam_search=true: the beams are re-ranked "
+                             "every step, so their text does not grow piece by piece; send stream=false",
+                             "use_beam_search")
+    check_beam_width(n, max_beam_width(service.llm), "n")
+    early = body.get("early_stopping", False)
+    if not (isinstance(early, bool) or early == "never"):
+        raise InvalidRequest(f"early_stopping={shown(early)} is invalid: must be true, false or \"never\"",
+                             "early_stopping")
+    return dict(use_beam_search=True, n=n, early_stopping=early,
+                length_penalty=get_field(body, "length_penalty", 1.0, (int, float), "a number"))
+
+
+def expand_beams(choice: Choice, out: RequestOutput) -> list[tuple[Choice, RequestOutput]]:
+    """A finished engine request's choices: itself, or each beam of a beam search as choice index + j (best
+    first), presented as a plain output (its text, tokens, logprobs and finish reason)."""
+    if not choice.beams or out.beam_outputs is None:
+        return [(choice, out)]
+    return [(dataclasses.replace(choice, index=choice.index + j, counts_prompt=choice.counts_prompt and j == 0),
+             dataclasses.replace(out, text=beam.text, token_ids=list(beam.token_ids), logprobs=beam.logprobs,
+                                 finish_reason=beam.finish_reason or out.finish_reason, top_logprobs=None,
+                                 beam_outputs=None))
+            for j, beam in enumerate(out.beam_outputs[:choice.beams])]
+
 
 def usage(choices: list[Choice], outputs: dict[int, RequestOutput]) -> dict:
     prompt = sum(len(outputs[c.index].prompt_token_ids) for c in choices if c.counts_prompt)

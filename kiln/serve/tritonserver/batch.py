@@ -14,8 +14,9 @@ from kiln.serve.engine_service import EngineService
 from kiln.serve.errors import InvalidRequest, RequestError
 from kiln.serve.guided_request import TRITON_GUIDE_LABEL
 from kiln.serve.limits import RequestLimits
+from kiln.serve.tritonserver.beam_rows import beams_of, check_beam_widths
 from kiln.serve.tritonserver.lora_tasks import LoRATasks
-from kiln.serve.tritonserver.request import TritonRequest
+from kiln.serve.tritonserver.request import Beam, TritonRequest
 
 # kiln serve's LoRA tasks, one per EngineService (shared by its HTTP and gRPC front ends).
 _SERVICE_TASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -57,10 +58,9 @@ async def with_loras(service: EngineService, rows: Sequence[TritonRequest]) -> A
         yield out
 
 
-async def complete(service: EngineService, request: TritonRequest,
-                   prompt: Prompt | None = None) -> tuple[str, list[float]]:
-    """Runs one request to the end -> (text_output: the prompt and the generated text unless exclude_input,
-    per-token logprobs). `prompt`: the request's prompt as token ids, when already tokenized."""
+async def complete(service: EngineService, request: TritonRequest, prompt: Prompt | None = None) -> list[Beam]:
+    """Runs one request to the end -> its beams (one without beam search): text_output is the prompt and the
+    generated text unless exclude_input. `prompt`: the request's prompt as token ids, when already tokenized."""
     prompt = request.prompt if prompt is None else prompt
     # Triton has no finish reason: a request cut off by shutdown must fail, not succeed with partial text.
     stream = service.generate(prompt, request.params, cut_off_is_error=True, guided_field=TRITON_GUIDE_LABEL,
@@ -68,8 +68,7 @@ async def complete(service: EngineService, request: TritonRequest,
     async with contextlib.aclosing(stream) as stream:
         async for delta in stream:
             output = delta.output
-    text = output.text if request.exclude_input else request.prompt + output.text
-    return text, list(output.logprobs or [])
+    return beams_of(request, output)
 
 
 async def cancel_and_wait(tasks: Collection[asyncio.Task]) -> None:
@@ -82,7 +81,7 @@ async def cancel_and_wait(tasks: Collection[asyncio.Task]) -> None:
 
 
 async def complete_all(service: EngineService, requests: list[TritonRequest],
-                       limits: RequestLimits | None = None) -> list[tuple[str, list[float]]]:
+                       limits: RequestLimits | None = None) -> list[list[Beam]]:
     """Runs all rows at once -> `complete`'s result per row. With `limits`, every row is tokenized first, and
     a batch whose prompts hold more tokens than the server takes is refused before any row starts. The first
     failure (or the caller's cancellation) cancels the others, aborting their engine requests; in a batch of
@@ -92,6 +91,7 @@ async def complete_all(service: EngineService, requests: list[TritonRequest],
             error.message = f"batch row {i}: {error.message}"
         return error
 
+    check_beam_widths(service.llm, requests)
     prompts: list[Prompt] = [r.prompt for r in requests]
     if limits is not None:
         tokenize = limits.prompt_tokens(service.tokenize, "text_input")
@@ -105,7 +105,7 @@ async def complete_all(service: EngineService, requests: list[TritonRequest],
 
         await service.run_prompt_work(tokenize_rows, size=sum(len(r.prompt) for r in requests))
 
-    async def row(i: int, request: TritonRequest) -> tuple[str, list[float]]:
+    async def row(i: int, request: TritonRequest) -> list[Beam]:
         try:
             return await complete(service, request, prompts[i])
         except RequestError as e:

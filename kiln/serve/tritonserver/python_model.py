@@ -96,14 +96,18 @@ try:
     from kiln.serve.limits import default_max_prompt_chars
     from kiln.serve.lora_modules import server_loras
     from kiln.serve.prompt_work import LARGE_TEXT_CHARS, release_memory
+    from kiln.serve.tritonserver.beam_rows import beams_of, check_beam_widths
+    from kiln.serve.tritonserver.logits_outputs import streamed
     from kiln.serve.tritonserver.lora_tasks import LoRATasks
     from kiln.serve.tritonserver.relay import Relay
     from kiln.serve.tritonserver.repository import BackendParameters
     from kiln.serve.tritonserver.request import (
+        Beam,
         TritonRequest,
         check_prompt_sizes,
         check_requested_outputs,
         make_outputs,
+        pad_ids,
         parse_request,
     )
     from kiln.serve.tritonserver.schema import INPUTS, OUTPUT_SPECS
@@ -178,11 +182,14 @@ class TritonPythonModel:
                         inputs[spec.name] = tensor.as_numpy()
                 rows = parse_request(inputs)
                 check_prompt_sizes(rows, self.max_prompt_chars, "config.pbtxt parameter max_prompt_chars")
+                check_beam_widths(self.llm, rows)
                 names = check_requested_outputs(_named_outputs(request), rows)
                 if len(rows) > 1 and any(row.stream for row in rows):
                     raise InvalidRequest("stream=true takes one prompt per request (batch size 1)", "stream")
                 loras = self._loras(rows)
-                sink = _StreamSink(sender, names) if rows[0].stream else _WholeSink(sender, rows, names)
+                pads = pad_ids(rows, self.llm.eos_token_ids)
+                sink = _StreamSink(sender, names, rows[0], pads) if rows[0].stream else \
+                    _WholeSink(sender, rows, names, pads)
                 self.relay.submit(self._token_ids(rows), [row.params for row in rows], sink, loras)
             except InvalidRequest as e:
                 sender.send(error_response(e.message, "INVALID_ARG"), flags=FINAL)
@@ -294,14 +301,22 @@ class _Sink:
 
 
 class _StreamSink(_Sink):
-    """stream=true: a response per new piece of text, the last one final."""
+    """stream=true: a response per new piece of text, the last one final. With beam search (which TensorRT-LLM
+    cannot stream) a response per update, holding the current beams whole (their generated text and ids)."""
 
-    def __init__(self, sender, names: list[str]) -> None:
+    def __init__(self, sender, names: list[str], request: TritonRequest, pads: list[int]) -> None:
         super().__init__(sender, names)
+        self.request = request
+        self.pads = pads
         self.text_len = 0
         self.num_logprobs = 0
+        self.num_tokens = 0
 
     def update(self, row: int, output: RequestOutput) -> None:
+        if output.beam_outputs is not None:
+            arrays = make_outputs(self.names, [beams_of(self.request, output, whole=False)], self.pads)
+            self.sender.send(_response(arrays), flags=FINAL if output.finished else 0)
+            return
         piece = output.text[self.text_len:]
         logprobs = output.logprobs or []
         new_logprobs = logprobs[self.num_logprobs:]
@@ -311,25 +326,25 @@ class _StreamSink(_Sink):
             if output.finished:
                 self.sender.send(flags=FINAL)
             return
-        arrays = make_outputs(self.names, [piece], [new_logprobs])
-        if "cum_log_probs" in arrays:  # a running total, not the sum over this piece
-            arrays["cum_log_probs"] = make_outputs(["cum_log_probs"], [""], [logprobs])["cum_log_probs"]
-        self.sender.send(_response(arrays), flags=flags)
+        new_ids = output.token_ids[self.num_tokens:]
+        beam = Beam(piece, new_ids, new_logprobs, sum(logprobs),  # cum_log_probs: a running total
+                    **streamed(output, len(new_ids), self.num_tokens == 0))
+        self.num_tokens = len(output.token_ids)
+        self.sender.send(_response(make_outputs(self.names, [[beam]], self.pads)), flags=flags)
 
 
 class _WholeSink(_Sink):
     """stream=false: one final response once every row has finished."""
 
-    def __init__(self, sender, rows: list[TritonRequest], names: list[str]) -> None:
+    def __init__(self, sender, rows: list[TritonRequest], names: list[str], pads: list[int]) -> None:
         super().__init__(sender, names)
         self.rows = rows
+        self.pads = pads
         self.outputs: list[RequestOutput | None] = [None] * len(rows)
 
     def update(self, row: int, output: RequestOutput) -> None:
         self.outputs[row] = output
         if not all(out is not None and out.finished for out in self.outputs):
             return
-        texts = [("" if request.exclude_input else request.prompt) + out.text
-                 for request, out in zip(self.rows, self.outputs)]
-        logprobs = [out.logprobs or [] for out in self.outputs]
-        self.sender.send(_response(make_outputs(self.names, texts, logprobs)), flags=FINAL)
+        beams = [beams_of(request, out) for request, out in zip(self.rows, self.outputs)]
+        self.sender.send(_response(make_outputs(self.names, beams, self.pads)), flags=FINAL)

@@ -117,6 +117,7 @@ class Relay:
 
     async def _serve(self, prompts: list[list[int]], params: list[SamplingParams], sink: Sink,
                      loras: list[LoRARequest | None]) -> None:
+        sink = _Answered(sink, len(prompts))
         try:
             await self._compile_guides(params, sink)
         except _Ended as ended:
@@ -191,6 +192,36 @@ class Relay:
         while not _guarded(sink.cancelled):
             await asyncio.sleep(CANCEL_POLL_S)
         raise _Ended(sink.abort, None)
+
+
+class _Answered:
+    """A submission's sink that knows when the submission has had its last answer: Triton may free the response
+    sender then, and asking it whether the client cancelled crashes the server (a segfault in
+    TRITONBACKEND_ResponseFactoryIsCancelled), so the cancellation watch may poll once more but never asks."""
+
+    def __init__(self, sink: Sink, num_rows: int) -> None:
+        self.sink, self.unfinished, self.over = sink, set(range(num_rows)), False
+
+    def cancelled(self) -> bool:
+        return not self.over and self.sink.cancelled()
+
+    def update(self, row: int, output: RequestOutput) -> None:
+        if output.finished:
+            self.unfinished.discard(row)
+            self.over = not self.unfinished
+        self.sink.update(row, output)
+
+    def reject(self, message: str) -> None:
+        self.over = True
+        self.sink.reject(message)
+
+    def abort(self, message: str | None) -> None:
+        self.over = True
+        self.sink.abort(message)
+
+    def fail(self, message: str, client_error: bool) -> None:
+        self.over = True
+        self.sink.fail(message, client_error)
 
 
 def _guarded(call: Callable, *args):

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from kiln.engine_format import load_engine_spec
 from kiln.engine_format.staging import staged_directory
+from kiln.serve.tritonserver.model_files import ENV_FILE, MODEL_SOURCE, check_target
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
-MODEL_SOURCE = Path(__file__).with_name("python_model.py")
-ENV_FILE = "kiln_env.json"  # beside model.py
+LAYOUTS = ("single", "ensemble")  # one model, or TensorRT-LLM backend's five (layout.py)
 # Triton takes the model's directory name as its name; keep it to characters every URL and file system takes.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BOOLS = {"true": True, "false": False}
@@ -138,6 +138,7 @@ class TritonModel:
     max_batch_size: int
     instance_kind: str  # KIND_CPU | KIND_GPU
     python_path: tuple[str, ...] = ()  # what kiln_env.json records
+    layout_models: tuple[Path, ...] = ()  # --layout ensemble: every model directory written (model_dir's too)
 
 
 def site_directories() -> list[str]:
@@ -163,7 +164,8 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                      kv_cache_free_gpu_mem_fraction: float = 0.9, enable_kv_cache_reuse: bool = True,
                      force: bool = False, python_path: Sequence[str | Path] = (),
                      record_site: bool = True, enable_lora: bool = False, max_loras: int | None = None,
-                     max_lora_rank: int | None = None, max_cpu_loras: int | None = None) -> TritonModel:
+                     max_lora_rank: int | None = None, max_cpu_loras: int | None = None,
+                     layout: str = "single") -> TritonModel:
     """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
     replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
     for a directory that is not a kiln engine and ValueError for anything else it refuses.
@@ -171,8 +173,15 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
     `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
     this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path, and
     imports kiln from this kiln's package directory (also recorded with `record_site`). `enable_lora` and the
-    LoRA limits go to config.pbtxt for the runtime (BackendParameters)."""
+    LoRA limits go to config.pbtxt for the runtime (BackendParameters). `layout="ensemble"` writes TensorRT-LLM
+    backend's five models instead (layout.py, layout_repository.py; REPO/tensorrt_llm is the model_dir returned)."""
     import kiln
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout {layout!r} must be one of {', '.join(LAYOUTS)}")
+    if layout == "ensemble" and model_name is not None:
+        raise ValueError("--model-name does not apply to --layout ensemble: its models have TensorRT-LLM's names "
+                         "(preprocessing, tensorrt_llm, postprocessing, ensemble, tensorrt_llm_bls)")
 
     extra = []
     for entry in python_path:
@@ -204,24 +213,22 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
     repo = Path(repo).resolve()
     if repo.exists() and not repo.is_dir():
         raise ValueError(f"--output {repo} exists and is not a directory")
+    recorded = {"python_path": list(paths), "kiln_version": kiln.__version__,
+                "kiln_dir": kiln_package_dir() if record_site else None}
+    if layout == "ensemble":
+        from kiln.serve.tritonserver.layout_repository import write_layout
+
+        dirs = write_layout(repo, max_batch_size, kind, params.to_strings(), recorded, force)
+        return TritonModel(dirs[1], dirs[1] / "config.pbtxt", dirs[1] / "1" / "model.py", max_batch_size, kind,
+                           paths, tuple(dirs))
     target = repo / name
-    if target.exists():
-        if not target.is_dir():
-            raise ValueError(f"{target} exists and is not a directory")
-        if any(target.iterdir()):
-            if not force:
-                raise ValueError(f"{target} already exists; pass --force to replace it")
-            if not (target / "config.pbtxt").is_file():
-                raise ValueError(f"{target} is not a Triton model (it has no config.pbtxt); not replacing it "
-                                 f"even with --force: remove it or pick another --model-name")
+    check_target(target, force)
 
     # Written beside the target and moved into place, so a failure leaves no half-written model behind.
     with staged_directory(target) as staging:
         (staging / "config.pbtxt").write_text(_config_text(name, max_batch_size, kind, params, engine_dir))
         (staging / "1").mkdir()
         shutil.copyfile(MODEL_SOURCE, staging / "1" / "model.py")
-        recorded = {"python_path": list(paths), "kiln_version": kiln.__version__,
-                    "kiln_dir": kiln_package_dir() if record_site else None}
         (staging / "1" / ENV_FILE).write_text(json.dumps(recorded, indent=2) + "\n")
     return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind, paths)
 

@@ -49,12 +49,37 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("seed", "UINT64", (1,), description="random seed (TensorRT-LLM's random_seed is accepted too)"),
     TensorSpec("random_seed", "UINT64", (1,), description="TensorRT-LLM's name for seed"),
     TensorSpec("stop_words", "BYTES", (-1,), description="strings that end generation (empty ones ignored)"),
-    TensorSpec("bad_words", "BYTES", (-1,), description="accepted for compatibility; must be empty"),
+    TensorSpec("bad_words", "BYTES", (-1,), description="strings never generated, matched on text (empty ones "
+                                                        "ignored; see docs/features.md, Bad words)"),
+    TensorSpec("bad_words_list", "INT32", (2, -1),
+               description="token-id sequences never generated, TensorRT-LLM's layout: row 0 the ids one after "
+                           "another, row 1 each sequence's end offset (padded with -1)"),
+    TensorSpec("stop_words_list", "INT32", (2, -1),
+               description="token-id sequences that end generation, in bad_words_list's layout (one id: a stop "
+                           "token; several: the stop string of their text)"),
+    TensorSpec("embedding_bias", "FP32", (-1,),
+               description="[vocab] added to the logits before sampling (empty: none)"),
     TensorSpec("end_id", "INT32", (1,), description="token id that ends generation instead of the model's EOS"),
-    TensorSpec("pad_id", "INT32", (1,), description="accepted for compatibility; unused"),
-    TensorSpec("beam_width", "INT32", (1,), description="accepted for compatibility; must be 1"),
+    TensorSpec("pad_id", "INT32", (1,), description="pads output_ids after a beam's sequence_length"),
+    TensorSpec("beam_width", "INT32", (1,),
+               description="beams of a beam search (1 = none); up to the engine's max_beam_width (kiln build "
+                           "--max-beam-width); each output then has a beam dimension"),
+    TensorSpec("num_return_sequences", "INT32", (1,),
+               description="with beam_width > 1: how many of the best beams to return (default: all); 1 otherwise"),
+    TensorSpec("len_penalty", "FP32", (1,),
+               description="beam search: a finished beam's score is its cum_log_probs / length ** len_penalty"),
+    TensorSpec("length_penalty", "FP32", (1,), description="the ensemble's name for len_penalty"),
+    TensorSpec("early_stopping", "BOOL", (1,),
+               description="beam search: stop once beam_width beams have finished (default false: stop when no "
+                           "running beam can beat them, as Hugging Face's)"),
     TensorSpec("stream", "BOOL", (1,), description="stream text pieces (gRPC stream, generate_stream)"),
     TensorSpec("return_log_probs", "BOOL", (1,), description="fill output_log_probs and cum_log_probs"),
+    TensorSpec("return_context_logits", "BOOL", (1,),
+               description="fill context_logits: the raw logits of every prompt position (skips the prefix cache)"),
+    TensorSpec("return_generation_logits", "BOOL", (1,),
+               description="fill generation_logits: the raw logits each generated token was chosen from"),
+    TensorSpec("return_perf_metrics", "BOOL", (1,),
+               description="fill the kv_cache_* blocks, *_time_ns and draft-token outputs"),
     TensorSpec("exclude_input_in_output", "BOOL", (1,),
                description="text_output without the prompt (streamed pieces never repeat it)"),
     TensorSpec("guided_decoding_guide_type", "BYTES", (1,),
@@ -75,10 +100,30 @@ INPUTS: tuple[TensorSpec, ...] = (
                            "attn_qkv 0, attn_q 1, attn_k 2, attn_v 3, attn_dense 4, mlp_h_to_4h 5 (gate_proj), "
                            "mlp_4h_to_h 6 (down_proj), mlp_gate 7 (up_proj)"),
 )
+# Outputs are per beam, as TensorRT-LLM's: [batch, beam(, len)]; beam is 1 without beam search.
 OUTPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("text_output", "BYTES", (-1,)),
-    TensorSpec("output_log_probs", "FP32", (-1,)),
-    TensorSpec("cum_log_probs", "FP32", (1,)),
+    TensorSpec("text_output", "BYTES", (-1,), description="[batch, beam]: each beam's text"),
+    TensorSpec("output_log_probs", "FP32", (-1, -1),
+               description="[batch, beam, len]: the generated tokens' logprobs, padded with 0"),
+    TensorSpec("cum_log_probs", "FP32", (-1,), description="[batch, beam]: the sum of a beam's logprobs"),
+    TensorSpec("output_ids", "INT32", (-1, -1),
+               description="[batch, beam, len]: the prompt's (unless exclude_input_in_output) then the generated "
+                           "token ids, padded with pad_id (else end_id, else the model's EOS)"),
+    TensorSpec("sequence_length", "INT32", (-1,), description="[batch, beam]: the ids of output_ids that count"),
+    # return_context_logits / return_generation_logits: raw float32 logits (before penalties, temperature, masks),
+    # zero-padded; return_perf_metrics: one value per row (times: nanoseconds since the epoch). TensorRT-LLM's.
+    TensorSpec("context_logits", "FP32", (-1, -1), description="[batch, prompt_len, vocab]"),
+    TensorSpec("generation_logits", "FP32", (-1, -1, -1), description="[batch, beam, len, vocab]"),
+    TensorSpec("kv_cache_alloc_new_blocks", "INT32", (1,), description="KV blocks the request filled"),
+    TensorSpec("kv_cache_reused_blocks", "INT32", (1,), description="KV blocks it took from the prefix cache"),
+    TensorSpec("kv_cache_alloc_total_blocks", "INT32", (1,), description="KV blocks it held in all"),
+    TensorSpec("arrival_time_ns", "INT64", (1,), description="when the engine received it"),
+    TensorSpec("first_scheduled_time_ns", "INT64", (1,), description="when it was first scheduled"),
+    TensorSpec("first_token_time_ns", "INT64", (1,), description="when its first token was generated"),
+    TensorSpec("last_token_time_ns", "INT64", (1,), description="when its last token was generated"),
+    TensorSpec("acceptance_rate", "FP32", (1,), description="speculative decoding: accepted / drafted tokens"),
+    TensorSpec("total_accepted_draft_tokens", "INT32", (1,), description="speculative decoding: drafts kept"),
+    TensorSpec("total_draft_tokens", "INT32", (1,), description="speculative decoding: drafts proposed"),
 )
 INPUT_SPECS: Mapping[str, TensorSpec] = {t.name: t for t in INPUTS}
 OUTPUT_SPECS: Mapping[str, TensorSpec] = {t.name: t for t in OUTPUTS}

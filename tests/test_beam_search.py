@@ -15,6 +15,10 @@ from kiln.runtime import LLM, SamplingParams
 CHECKPOINT = EXAMPLES / "kiln-tiny-code"
 EOS_PROMPT = "if __name__ == '__main__':\n    main()\n"  # its best beam ends with EOS at once
 PROMPTS = ["def fibonacci(n):", EOS_PROMPT, "class Stack:\n    def"]
+# A dozen, for the main comparison with transformers.
+MORE_PROMPTS = PROMPTS + ["import os\nimport sys\n", "for i in range(10):\n", "def add(a, b):\n    return",
+                          "# read a file\nwith open(", "try:\n    import numpy", "x = [i * i for i in",
+                          "@dataclass\nclass Point:\n", "def is_prime(n):\n    if n <", "import json\n\ndef load("]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def check_same(output, reference, length_penalty=1.0):
 @pytest.mark.parametrize("width,length_penalty,early_stopping", [(2, 1.0, False), (4, 0.5, True), (4, 2.0, "never")])
 def test_beams_equal_transformers(llm, hf, width, length_penalty, early_stopping):
     tokenizer = hf[1]
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    prompts = [tokenizer(p).input_ids for p in MORE_PROMPTS]
     params = SamplingParams(use_beam_search=True, n=width, length_penalty=length_penalty,
                             early_stopping=early_stopping, max_tokens=8, temperature=0)
     outputs = llm.generate(prompts, params)  # batched together: the beams of three requests in each step
@@ -106,24 +110,27 @@ def test_stop_token_ids_and_strings(llm, hf):
 
 def test_preemption_and_plain_requests_in_the_batch(beam_engine, hf):
     """A cache too small for every beam of every request at once: beams are preempted (together) and
-    recomputed, and the plain requests beside them keep the tokens they have alone."""
+    recomputed, and the greedy and seeded sampled requests beside them keep the tokens they have alone."""
     tokenizer = hf[1]
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     plain = SamplingParams(max_tokens=8, temperature=0, logprobs=True)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, logprobs=True)
     beams = SamplingParams(use_beam_search=True, n=4, max_tokens=8, temperature=0)
     llm = LLM(beam_engine, num_kv_blocks=10)
     try:
         alone = llm.generate(prompts, plain)
-        mixed = llm.generate([p for p in prompts for _ in range(2)], [beams, plain] * len(prompts))
+        alone_sampled = llm.generate(prompts, sampled)
+        mixed = llm.generate([p for p in prompts for _ in range(3)], [beams, plain, sampled] * len(prompts))
         assert llm.kv_cache_stats()["num_preemptions"] > 0
         assert llm.kv_cache_stats()["free_blocks"] == 10
     finally:
         llm.shutdown()
     for i, prompt in enumerate(prompts):
-        check_same(mixed[2 * i], hf_beams(hf, prompt, 4, 8))
-        assert mixed[2 * i + 1].token_ids == alone[i].token_ids
-        assert mixed[2 * i + 1].logprobs == pytest.approx(alone[i].logprobs, abs=1e-5)
-        assert len(mixed[2 * i + 1].outputs) == 1 and mixed[2 * i + 1].outputs[0].token_ids == alone[i].token_ids
+        check_same(mixed[3 * i], hf_beams(hf, prompt, 4, 8))
+        for output, reference in ((mixed[3 * i + 1], alone[i]), (mixed[3 * i + 2], alone_sampled[i])):
+            assert output.token_ids == reference.token_ids  # greedy and seeded sampling: unchanged by the beams
+            assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+            assert len(output.outputs) == 1 and output.outputs[0].token_ids == reference.token_ids
 
 
 def test_limits_are_named(llm, beam_engine):

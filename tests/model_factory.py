@@ -18,6 +18,8 @@ _CONFIG_CLASSES = {
     "MixtralForCausalLM": transformers.MixtralConfig,
     "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+    "Starcoder2ForCausalLM": transformers.Starcoder2Config,
+    "Olmo2ForCausalLM": transformers.Olmo2Config,
 }
 
 BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

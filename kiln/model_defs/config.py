@@ -7,6 +7,7 @@ runtime never needs transformers' config classes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -18,12 +19,16 @@ from .config_limits import (
     is_count,
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+QK_NORM_SCOPES = ("head", "projection")
+# transformers' activation names that are torch's GELU: exact (erf) and the tanh approximation.
+GELU_ACTS = ("gelu", "gelu_pytorch_tanh")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings. `factor` and the llama3 fields apply only to their rope_type."""
+    """Rotary embedding settings. `factor` applies to the scaled types, the llama3 and yarn fields only to
+    their rope_type (named as in transformers' rope_parameters; layers/rotary.py computes the tables)."""
 
     rope_type: str = "default"
     theta: float = 10000.0
@@ -31,6 +36,15 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    # yarn: the band of dimensions between beta_fast and beta_slow rotations is ramped from extrapolated to
+    # interpolated frequencies; cos/sin are multiplied by attention_factor, which None infers from factor
+    # (and mscale / mscale_all_dim when both are non-zero) as transformers does.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -47,7 +61,24 @@ class RopeConfig:
                 raise ModelConfigError(f"rope_scaling high_freq_factor={self.high_freq_factor} must exceed "
                                        f"low_freq_factor={self.low_freq_factor}")
         check_count("rope_scaling original_max_position_embeddings", self.original_max_position_embeddings,
-                    "max_position_embeddings", minimum=0)
+                    "max_position_embeddings", minimum=1 if self.rope_type == "yarn" else 0)
+        if self.rope_type == "yarn":
+            self._check_yarn()
+
+    def _check_yarn(self) -> None:
+        # The correction range takes log(original_max_position_embeddings / (beta * 2 pi)): betas must be > 0.
+        check_positive_finite("rope_scaling beta_fast", self.beta_fast)
+        check_positive_finite("rope_scaling beta_slow", self.beta_slow)
+        if self.beta_fast < self.beta_slow:  # transformers: "beta_fast must be greater than beta_slow"
+            raise ModelConfigError(f"rope_scaling beta_fast={self.beta_fast} must be >= beta_slow={self.beta_slow}")
+        for name in ("mscale", "mscale_all_dim"):  # 0 means unset, as in transformers
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ModelConfigError(f"rope_scaling {name}={value!r:.80} must be a finite number >= 0")
+        if self.attention_factor is not None:
+            check_positive_finite("rope_scaling attention_factor", self.attention_factor)
+        if not isinstance(self.truncate, bool):
+            raise ModelConfigError(f"rope_scaling truncate={self.truncate!r:.80} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -84,7 +115,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's epsilon (Starcoder2's LayerNorms: its norm_epsilon)
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool = False
@@ -92,6 +123,10 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # What q_norm / k_norm normalize: "head" (each head alone, Qwen3) or "projection" (all of q, all of k: OLMo 2).
+    qk_norm_scope: str = "head"
+    # The MLP's activation: "silu" (the gated SwiGLU MLP); the plain MLP (Starcoder2) takes the GELUs of GELU_ACTS.
+    hidden_act: str = "silu"
     # Per layer: 0 = full causal attention, W > 0 = each token sees the last W tokens (itself included).
     layer_sliding_windows: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -126,6 +161,11 @@ class ModelConfig:
         for i, window in enumerate(self.layer_sliding_windows):
             if not is_count(window) or window < 0:
                 raise ModelConfigError(f"layer_sliding_windows[{i}]={window!r} must be an integer >= 0 (0: none)")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ModelConfigError(f"qk_norm_scope={self.qk_norm_scope!r}; kiln has {', '.join(QK_NORM_SCOPES)}")
+        if self.hidden_act not in ("silu", *GELU_ACTS):
+            raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not supported; supported: silu, "
+                                   f"{', '.join(GELU_ACTS)}")
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelConfigError(f"{len(self.moe.sparse_layers)} MoE layer flags for {self.num_layers} layers")
 
@@ -182,15 +222,51 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         return RopeConfig(theta=theta)
     if "factor" not in params:
         raise ModelConfigError(f"rope scaling {rope_type!r} needs a 'factor'")
+    # transformers gives a top-level original_max_position_embeddings (Phi-3's layout) priority over the rope
+    # dict's for the types that use it, and falls back to max_position_embeddings.
+    original = params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 0))
+    if rope_type in ("llama3", "yarn") and raw.get("original_max_position_embeddings") is not None:
+        original = raw["original_max_position_embeddings"]
+    if rope_type == "yarn":
+        return _parse_yarn(params, theta, original, raw.get("max_position_embeddings"))
     return RopeConfig(
         rope_type=rope_type,
         theta=theta,
         factor=float(params["factor"]),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 0))
-        ),
+        original_max_position_embeddings=int(original),
+    )
+
+
+def _rope_number(params: dict[str, Any], key: str, default: float | None) -> float | None:
+    """params[key] as a float, `default` when absent or null; ModelConfigError naming it when not a number."""
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelConfigError(f"rope_scaling {key}={value!r:.80} must be a number")
+    return float(value)
+
+
+def _parse_yarn(params: dict[str, Any], theta: float, original: Any, max_positions: Any) -> RopeConfig:
+    # Read as transformers' _compute_yarn_parameters reads them: a null factor is the context extension
+    # max_position_embeddings / original_max_position_embeddings; a zero or null beta is its default.
+    original = check_count("rope_scaling original_max_position_embeddings", original, "max_position_embeddings")
+    factor = _rope_number(params, "factor", None)
+    if factor is None:
+        factor = check_count("max_position_embeddings", max_positions) / original
+    return RopeConfig(
+        rope_type="yarn",
+        theta=theta,
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=_rope_number(params, "beta_fast", None) or 32.0,
+        beta_slow=_rope_number(params, "beta_slow", None) or 1.0,
+        mscale=_rope_number(params, "mscale", 0.0),
+        mscale_all_dim=_rope_number(params, "mscale_all_dim", 0.0),
+        attention_factor=_rope_number(params, "attention_factor", None),
+        truncate=params.get("truncate", True),
     )
 
 
@@ -201,11 +277,15 @@ def parse_decoder_config(
     o_bias: bool,
     qk_norm: bool = False,
     layer_sliding_windows: tuple[int, ...] = (),
+    hidden_acts: tuple[str, ...] = ("silu",),
 ) -> ModelConfig:
-    """The fields every Llama-like decoder shares; the model file decides biases, norms and windows."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")
+    """The fields every Llama-like decoder shares; the model file decides biases, norms, windows and which
+    activations its MLP takes (`hidden_acts`, the first the default)."""
+    act = raw.get("hidden_act", hidden_acts[0])
+    if act not in hidden_acts:
+        mlp = "SwiGLU MLP" if hidden_acts == ("silu",) else "its MLP"
+        raise ModelConfigError(f"hidden_act={act!r} is not supported for {raw['architectures'][0]}; supported: "
+                               f"{', '.join(hidden_acts)} ({mlp})")
     hidden = required(raw, "hidden_size")
     # Checked before dividing by it (model_def_for_hf_config checks every count already; not every caller uses it).
     heads = check_count("num_attention_heads", required(raw, "num_attention_heads"), "num_heads")
@@ -230,6 +310,7 @@ def parse_decoder_config(
         o_bias=o_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=qk_norm,
+        hidden_act=act,
         layer_sliding_windows=layer_sliding_windows,
         torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
         eos_token_ids=token_id_list(raw.get("eos_token_id")),

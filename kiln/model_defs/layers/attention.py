@@ -1,4 +1,5 @@
-"""Self-attention with fused QKV, optional per-head q/k RMSNorm (Qwen3), rotary, paged KV cache."""
+"""Self-attention with fused QKV, optional q/k RMSNorm per head (Qwen3) or over the whole projection (OLMo 2),
+rotary, paged KV cache."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from ..config import ModelConfig
 from .context import ForwardContext
 from .fp8_input import Fp8Input
 from .linear import LinearFactory
-from .norm import RMSNorm
+from .norm import ProjectionRMSNorm, RMSNorm
+from .parallel import FeatureShard
 
 
 class Attention(nn.Module):
@@ -29,7 +31,15 @@ class Attention(nn.Module):
         self.num_kv_heads = self.split_sizes[1] // config.head_dim
         self.o_proj = linears.row(f"{prefix}.o_proj", config.num_heads * config.head_dim, config.hidden_size,
                                   config.o_bias)
-        if config.qk_norm:
+        self.norm_projection = config.qk_norm and config.qk_norm_scope == "projection"
+        if self.norm_projection:  # over this rank's q (k) rows, its share of the whole projection's norm
+            shard = self.qkv_proj.shard  # None: one rank, which holds the whole projections
+            sizes = self.split_sizes if shard is None else shard.full_sizes  # whole q, k, v widths
+            self.q_norm, self.k_norm = (
+                ProjectionRMSNorm(sizes[i], config.rms_norm_eps, linears.dtype,
+                                  None if shard is None else FeatureShard("output", (sizes[i],), (shard.slices[i],)),
+                                  linears.comm) for i in (0, 1))
+        elif config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
         else:
@@ -41,10 +51,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
+        if self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)  # [T, Hq D], [T, Hk D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         # A quantized cache's per-layer scales ([1] float32 each); None, None for a float cache.

@@ -8,6 +8,8 @@ quantization, sharding and MoE change what those return, not this file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -20,15 +22,20 @@ from .norm import RMSNorm
 from .parallel import VocabParallelEmbedding
 from .rotary import RotaryTables
 
+# (size, eps, dtype) -> a norm with forward(x), add_and_norm(x, residual) and feeds(linear): RMSNorm, LayerNorm.
+NormFactory = Callable[[int, float, torch.dtype], nn.Module]
+
 
 class DecoderLayer(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then + mlp(norm(.)); `norm` is the layer option (Starcoder2: LayerNorm)."""
+
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, mlp: MLPFactory,
-                 prefix: str) -> None:
+                 prefix: str, norm: NormFactory = RMSNorm) -> None:
         super().__init__()
         eps, dtype = config.rms_norm_eps, linears.dtype
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.input_layernorm = norm(config.hidden_size, eps, dtype)
         self.self_attn = Attention(config, layer_index, linears, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = norm(config.hidden_size, eps, dtype)
         self.mlp = mlp(config, layer_index, linears, f"{prefix}.mlp")
         # An FP8 qkv/gate_up projection gets its input quantized by the norm kernel (fp8_input.py); an MoE block
         # has no gate_up_proj of its own.
@@ -48,27 +55,33 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: ModelConfig, linears: LinearFactory, mlp: MLPFactory, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, linears: LinearFactory, mlp: MLPFactory, prefix: str,
+                 layer: type[nn.Module] = DecoderLayer, norm: NormFactory = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, linears.dtype,
                                                    linears.mapping, linears.comm)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, linears, mlp, f"{prefix}.layers.{i}")
+        self.layers = nn.ModuleList(layer(config, i, linears, mlp, f"{prefix}.layers.{i}", norm)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, linears.dtype)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, linears.dtype)
 
 
 class DecoderForCausalLM(nn.Module):
     """input_ids: [T] (packed tokens of many sequences) -> hidden states [T, H]; logits on demand.
 
-    Implements `model_defs.protocol.CausalLM`; build it with `build_network`.
+    Implements `model_defs.protocol.CausalLM`; build it with `build_network`. A model file's subclass may set
+    the layer options: `layer_class` (made like DecoderLayer; its forward returns (x, residual) whose sum is
+    the layer's output) and `norm_class` (every norm's NormFactory).
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: NormFactory = RMSNorm
 
     def __init__(self, config: ModelConfig, linears: LinearFactory | None = None,
                  mlp: MLPFactory = GatedMLP) -> None:
         super().__init__()
         linears = linears or LinearFactory()
         self.config = config
-        self.model = DecoderBody(config, linears, mlp, "model")
+        self.model = DecoderBody(config, linears, mlp, "model", self.layer_class, self.norm_class)
         # Tied models read the embedding matrix; the engine stores it once.
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = linears.lm_head("lm_head", config.hidden_size, config.vocab_size, tied_to)

@@ -1,15 +1,16 @@
-"""The SwiGLU MLP with gate and up projections fused into one GEMM."""
+"""The SwiGLU MLP with gate and up projections fused into one GEMM, and the plain GELU MLP (Starcoder2)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.plugins import silu_and_mul, silu_and_mul_quant
 
-from ..config import ModelConfig
+from ..config import GELU_ACTS, ModelConfig, ModelConfigError
 from .fp8_input import Fp8Input, fp8_consumer
 from .linear import LinearFactory
 
@@ -41,3 +42,20 @@ class GatedMLP(SwiGLU):
 
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
         super().__init__(config.hidden_size, config.intermediate_size, config.mlp_bias, linears, prefix)
+
+
+class GeluMLP(nn.Module):
+    """c_proj(gelu(c_fc(x))), not gated (Starcoder2); GELU exact or tanh-approximate as config.hidden_act says.
+    Biases as config.mlp_bias; the checkpoint's names (c_fc, c_proj) are kept."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
+        super().__init__()
+        if config.hidden_act not in GELU_ACTS:
+            raise ModelConfigError(f"hidden_act={config.hidden_act!r}: this MLP takes {', '.join(GELU_ACTS)}")
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.c_fc = linears.column(f"{prefix}.c_fc", config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.c_proj = linears.row(f"{prefix}.c_proj", config.intermediate_size, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, I] -> [T, H]
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))

@@ -1,4 +1,4 @@
-"""Rotary angle tables for each rope scaling scheme (default, linear, dynamic NTK, llama3).
+"""Rotary angle tables for each rope scaling scheme (default, linear, dynamic NTK, llama3, yarn).
 
 Frequencies are computed exactly as Hugging Face computes them (same float32 operations), so rotated
 queries and keys match transformers bit for bit on the CPU.
@@ -18,6 +18,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings
     """inv_freq: [head_dim / 2] float32. `seq_len` matters only for dynamic NTK scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     base = rope.theta
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(rope, head_dim, base ** exponents)
     if rope.rope_type == "dynamic":
         # NTK-aware: grow the base once the sequence outgrows the trained context.
         # Same float32 tensor arithmetic as transformers, so the base rounds the same way.
@@ -46,6 +48,43 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inverse_frequencies(rope: RopeConfig, head_dim: int, pos_freqs: torch.Tensor) -> torch.Tensor:
+    # transformers' _compute_yarn_parameters, same float32 operations in the same order: dimensions that turn
+    # more than beta_fast times over the original context keep their frequency (extrapolation), those that
+    # turn fewer than beta_slow times are divided by `factor` (interpolation), a linear ramp in between.
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                ) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    interpolated = 1.0 / (rope.factor * pos_freqs)
+    extrapolated = 1.0 / pos_freqs
+    return interpolated * (1 - extrapolation_factor) + extrapolated * extrapolation_factor
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """The factor transformers multiplies cos and sin by: yarn's `attention_factor` (given, or inferred from
+    factor, mscale and mscale_all_dim as transformers infers it); 1 for every other type."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return float(get_mscale(rope.factor, rope.mscale) / get_mscale(rope.factor, rope.mscale_all_dim))
+    return get_mscale(rope.factor)
+
+
 class RotaryTables:
     """cos/sin per token for one model. Built once on the runtime's device for max_positions."""
 
@@ -57,9 +96,13 @@ class RotaryTables:
         inv_freq = inverse_frequencies(rope, head_dim, max_position_embeddings).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, D/2] float32
-        # Allocated once; read by index every step (and by captured graphs later).
+        # Allocated once; read by index every step (and by captured graphs later). Yarn's attention factor
+        # is folded into the tables as transformers folds it into its cos/sin (float32, before the cast).
         self.cos = freqs.cos()
         self.sin = freqs.sin()
+        scale = attention_scaling(rope)
+        if scale != 1.0:
+            self.cos, self.sin = self.cos * scale, self.sin * scale
 
     def needs_per_length_tables(self, max_rope_length: int) -> bool:
         """Whether a step whose longest rope length is this needs more than the fixed tables."""

@@ -26,7 +26,7 @@ def used(blocks: BlockManager) -> int:
 def advance(stage: BeamStage, request: Request, num_new: int, continuations: list[list[tuple[int, float]]] | None):
     """What the engine's beam stage does after a step: `continuations` per beam row (token, logprob), best
     first; None for a prefill chunk."""
-    tracked = SimpleNamespace(request=request, detokenizer=SimpleNamespace(tokenizer=None))
+    tracked = SimpleNamespace(request=request, detokenizer=SimpleNamespace(tokenizer=None), perf=None)
     host = None
     if continuations is not None:
         scores = [[beam.score + lp for _, lp in row] for beam, row in zip(request.beams.search.running, continuations)]

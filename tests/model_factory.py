@@ -20,6 +20,8 @@ _CONFIG_CLASSES = {
     "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     "Starcoder2ForCausalLM": transformers.Starcoder2Config,
     "Olmo2ForCausalLM": transformers.Olmo2Config,
+    "GraniteForCausalLM": transformers.GraniteConfig,
+    "SmolLM3ForCausalLM": transformers.SmolLM3Config,
 }
 
 BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

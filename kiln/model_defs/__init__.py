@@ -1,6 +1,6 @@
 """Model definitions, one file per architecture family, registered by HF architecture string."""
 
-from . import llama, moe, olmo2, qwen2, qwen3, starcoder2  # noqa: F401  (registers the architectures)
+from . import granite, llama, moe, olmo2, qwen2, qwen3, smollm3, starcoder2  # noqa: F401  (registers the architectures)
 from .config import ModelConfig, ModelConfigError
 from .network import build_network
 from .protocol import CausalLM

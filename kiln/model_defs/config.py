@@ -134,6 +134,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    # Granite's scalars: embeddings times embedding_multiplier, each sublayer's output times residual_multiplier
+    # before its residual add, attention scores times attention_multiplier (None: 1/sqrt(head_dim)), logits
+    # divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # Per layer: whether rotary applies (SmolLM3's no_rope_layers: 0 = NoPE layer); () means every layer.
+    layer_rope: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         # Bounds first (config_limits.py): nothing below, nor the network, is sized by an absurd count.
@@ -161,6 +170,16 @@ class ModelConfig:
         for i, window in enumerate(self.layer_sliding_windows):
             if not is_count(window) or window < 0:
                 raise ModelConfigError(f"layer_sliding_windows[{i}]={window!r} must be an integer >= 0 (0: none)")
+        if not self.layer_rope:
+            object.__setattr__(self, "layer_rope", (True,) * self.num_layers)
+        if len(self.layer_rope) != self.num_layers:
+            raise ModelConfigError(f"{len(self.layer_rope)} per-layer rope flags (no_rope_layers) for "
+                                   f"{self.num_layers} layers")
+        object.__setattr__(self, "layer_rope", tuple(bool(r) for r in self.layer_rope))
+        for f in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            check_positive_finite(f, getattr(self, f))
+        if self.attention_multiplier is not None:
+            check_positive_finite("attention_multiplier", self.attention_multiplier)
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ModelConfigError(f"qk_norm_scope={self.qk_norm_scope!r}; kiln has {', '.join(QK_NORM_SCOPES)}")
         if self.hidden_act not in ("silu", *GELU_ACTS):
@@ -173,6 +192,7 @@ class ModelConfig:
         d = asdict(self)
         d["layer_sliding_windows"] = list(self.layer_sliding_windows)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_rope"] = list(self.layer_rope)
         if self.moe is not None:
             d["moe"]["sparse_layers"] = list(self.moe.sparse_layers)
         return d
@@ -187,6 +207,7 @@ class ModelConfig:
         d["rope"] = RopeConfig(**d["rope"])
         d["layer_sliding_windows"] = tuple(d.get("layer_sliding_windows", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_rope"] = tuple(d.get("layer_rope", ()))
         if d.get("moe") is not None:
             d["moe"] = MoEConfig(**d["moe"])
         return cls(**d)

@@ -21,7 +21,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.head_dim = config.head_dim
-        self.scale = config.head_dim ** -0.5
+        # Granite's attention_multiplier replaces 1/sqrt(head_dim) as the score scale.
+        self.scale = config.attention_multiplier or config.head_dim ** -0.5
         self.sliding_window = config.layer_sliding_windows[layer_index]
         # [q; k; v] rows of this rank's heads (all of them without tensor parallelism)
         self.qkv_proj = linears.attention_qkv(f"{prefix}.qkv_proj", config.hidden_size, config.num_heads,

@@ -102,6 +102,8 @@ class DecoderForCausalLM(nn.Module):
             raise RuntimeError("call setup_rotary() before the first forward")
         cos, sin = self.rotary.lookup(ctx.positions, ctx.rope_lengths, ctx.max_rope_length)  # [T, D/2] each
         x = self.model.embed_tokens(input_ids)  # [T, H]
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx, cos, sin)
@@ -110,4 +112,6 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits: [N, V] float32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        # Granite divides its logits by logits_scaling.
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling

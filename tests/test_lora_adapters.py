@@ -211,8 +211,8 @@ def test_config_refusals(tiny, saved, tmp_path, changes, message):
 ])
 def test_base_model_mismatch(tiny, saved, field, value, tensor):
     config = tiny[1]
-    changed = replace(config, **{field: value, "layer_sliding_windows": (0,) * (value if field == "num_layers"
-                                                                                 else config.num_layers)})
+    layers = value if field == "num_layers" else config.num_layers
+    changed = replace(config, **{field: value, "layer_sliding_windows": (0,) * layers, "layer_rope": (True,) * layers})
     with pytest.raises(LoRAError, match="base model mismatch") as e:
         read_lora_adapter(saved, changed, max_lora_rank=16)
     assert tensor in str(e.value)

@@ -173,3 +173,16 @@ def stream_results(responses, timeout: float = 60) -> list:
         results.append(result)
         if result.get_response().parameters["triton_final_response"].bool_param:
             return results
+
+
+def infer_inputs(module, arrays: dict) -> list:
+    """tritonclient InferInputs (`module`: tritonclient.http or .grpc) for {input name: numpy array}, each with the
+    datatype kiln's schema gives that input."""
+    from kiln.serve.tritonserver.schema import INPUT_SPECS
+
+    tensors = []
+    for name, array in arrays.items():
+        tensor = module.InferInput(name, list(array.shape), INPUT_SPECS[name].datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors

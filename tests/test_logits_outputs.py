@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from serve_util import EXAMPLES, MODEL_NAME, stream_results
+from serve_util import EXAMPLES, MODEL_NAME, infer_inputs, stream_results
 
 from kiln.runtime import LLM, SamplingParams
 
@@ -186,12 +186,7 @@ def triton_inputs(module, prompts, asks, **scalars):
         arrays[name] = np.array([[a] for a in asks], dtype=bool)
     for name, value in scalars.items():
         arrays[name] = np.array([[value]] * len(prompts), dtype=DATATYPES[INPUT_SPECS[name].datatype][1])
-    tensors = []
-    for name, array in arrays.items():
-        tensor = module.InferInput(name, list(array.shape), INPUT_SPECS[name].datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+    return infer_inputs(module, arrays)
 
 
 def check_triton_row(result, row: int, out, hf, width: int = 1) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_util import EXAMPLES, MODEL_NAME, post_json, start_server, stream_results
+from serve_util import EXAMPLES, MODEL_NAME, infer_inputs, post_json, start_server, stream_results
 
 from kiln.runtime import LLM, SamplingParams
 from kiln.serve.tritonserver.schema import DATATYPES, INPUT_SPECS
@@ -95,12 +95,7 @@ def triton_inputs(module, prompts, width=None, **scalars):
         arrays["beam_width"] = np.array([[w] for w in widths], dtype=np.int32)
     for name, value in scalars.items():
         arrays[name] = np.array([[value]] * len(prompts), dtype=DATATYPES[INPUT_SPECS[name].datatype][1])
-    tensors = []
-    for name, array in arrays.items():
-        tensor = module.InferInput(name, list(array.shape), INPUT_SPECS[name].datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+    return infer_inputs(module, arrays)
 
 
 def as_arrays(result) -> dict[str, np.ndarray]:

@@ -130,7 +130,8 @@ def test_echo_logprobs_match_the_runtime(server, llm, k):
     assert choice["text"].startswith("".join(lp["tokens"][:n]))
     offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(all_ids))]
     assert lp["text_offset"] == offsets
-    assert r["usage"] == {"prompt_tokens": n, "completion_tokens": 4, "total_tokens": n + 4}
+    assert r["usage"] == {"prompt_tokens": n, "completion_tokens": 4, "total_tokens": n + 4,
+                          "prompt_tokens_details": {"cached_tokens": 0}}  # echo + prompt logprobs: all computed
 
 
 def test_echo_logprobs_of_a_text_prompt_and_is_greedy(server, llm):

@@ -24,11 +24,13 @@ from kiln.serve.tritonserver.repository import BackendParameters
 NON_DEFAULT = dict(device="cpu", max_batch_size=2, max_num_tokens=48, num_kv_blocks=9, enable_prefix_caching=False,
                    kv_cache_memory_fraction=0.5, cuda_graphs=False, async_scheduling=True, verify_checksums=False,
                    capacity_scheduler_policy="guaranteed_no_evict", speculative_config=SpeculativeConfig("ngram", 3),
-                   enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+                   enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3, kv_offloading_size=0.001,
+                   kv_offloading_dir="kiln-kv-tier", kv_offloading_disk_size=0.5)
 FLAGS = ["--device", "cpu", "--max-batch-size", "2", "--max-num-tokens", "48", "--num-kv-blocks", "9",
          "--no-enable-prefix-caching", "--kv-cache-memory-fraction", "0.5", "--no-cuda-graphs", "--async-scheduling",
          "--no-verify-checksums", "--capacity-scheduler-policy", "guaranteed_no_evict", "--speculative-mode", "ngram", "--num-speculative-tokens", "3",
-         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3"]
+         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
+         "--kv-offloading-size", "0.001", "--kv-offloading-dir", "kiln-kv-tier", "--kv-offloading-disk-size", "0.5"]
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
 
 
@@ -143,16 +145,23 @@ def test_triton_parameters_reach_the_options():
                                                                   enable_prefix_caching=False,
                                                                   kv_cache_memory_fraction=0.5,
                                                                   capacity_scheduler_policy="guaranteed_no_evict")
+    params = BackendParameters.from_strings({"engine_dir": "/e", "kv_cache_host_memory_bytes": str(3 * 2**29),
+                                             "kv_offloading_dir": "/kv", "kv_offloading_disk_size": "2.5"})
+    assert runtime_options_of(params, "cpu", None) == RuntimeOptions(
+        device="cpu", kv_offloading_size=1.5, kv_offloading_dir="/kv", kv_offloading_disk_size=2.5)
 
 
-def test_options_reach_a_real_engine(tiny_code_engine):
-    options = RuntimeOptions(**{**NON_DEFAULT, "num_kv_blocks": 40})
+def test_options_reach_a_real_engine(tiny_code_engine, tmp_path):
+    options = RuntimeOptions(**{**NON_DEFAULT, "num_kv_blocks": 40, "kv_offloading_dir": str(tmp_path / "kv")})
     with LLM(tiny_code_engine, options=options) as llm:
         runtime = llm.engine.runtime
         assert (str(runtime.device), runtime.max_batch_size, runtime.max_num_tokens, runtime.num_kv_blocks,
                 runtime.enable_prefix_caching, runtime.kv_cache_memory_fraction, runtime.cuda_graphs,
                 runtime.async_scheduling, runtime.capacity_scheduler_policy) == \
             ("cpu", 2, 48, 40, False, 0.5, False, True, "guaranteed_no_evict")
+        assert (runtime.kv_offloading_size, runtime.kv_offloading_dir, runtime.kv_offloading_disk_size) == (
+            0.001, str(tmp_path / "kv"), 0.5)
+        assert llm.engine.executor.num_host_kv_blocks > 0
         assert llm.engine.scheduler.policy.name == "guaranteed_no_evict"
         assert llm.speculation_stats() is not None  # the n-gram proposer is on
 

@@ -92,6 +92,23 @@ def test_tp2_scheduling_features_equal_tp1(llama_pair):
     assert stats["free_blocks"] == stats["total_blocks"] == 10
 
 
+def test_tp2_host_tier_gives_tp1_tokens(llama_pair, tmp_path):
+    """Each rank copies its own shard of an evicted prefix to its host tier and back (kv_offloading_size is the
+    total over ranks); the disk tier is refused at tp_size 2, naming both options."""
+    tp1, tp2 = llama_pair
+    prompts = [[k] + list(range(30 + k, 62 + k)) for k in range(6)] * 2  # 2 blocks each, evicted and repeated
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected, _ = generate(tp1, prompts, params)
+    with LLM(tp2, num_kv_blocks=10, max_batch_size=2, kv_offloading_size=0.01) as llm:
+        got = [llm.generate(p, params)[0] for p in prompts]  # one at a time: each evicts the ones before
+        stats = llm.kv_cache_stats()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert stats["host_tier_hits"] > 0 and any(o.metrics.num_cached_tokens_host for o in got[6:])
+    assert stats["free_blocks"] == stats["total_blocks"] == 10
+    with pytest.raises(ValueError, match="kv-offloading-dir.*tensor-parallel.*kv-offloading-size"):
+        LLM(tp2, kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path / "kv"))
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_tp2_target_with_speculative_decoding_gives_tp1_tokens(llama_pair, method):
     """Speculation over a TP=2 target: the verify steps (1 + K rows a request) reach rank 1 like any step, and

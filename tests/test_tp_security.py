@@ -212,7 +212,7 @@ def test_codec_covers_every_field():
                                                                        PromptLogprobTarget, RuntimeConfig, RankLaunch)}
     assert names[ScheduledRequest] == {"request_id", "token_ids", "start_position", "block_ids", "num_prompt_tokens",
                                        "num_sampled", "lora_int_id"}
-    assert names[SchedulerOutput] == {"requests", "preempted_ids", "block_copies"}
+    assert names[SchedulerOutput] == {"requests", "preempted_ids", "block_copies", "kv_transfers"}
     assert names[StepInput] == {"schedule", "prompt_logprob_targets", "token_feed"}
     assert names[PromptLogprobTarget] == {"token_ids", "top_k", "logprobs", "logits"}
     assert names[RuntimeConfig] == set(step_codec._RUNTIME_FIELDS)

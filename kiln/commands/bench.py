@@ -1,4 +1,4 @@
-"""`kiln bench latency|throughput|serve`: the engine offline (batch 1, or many requests queued at once), or any
+"""`kiln bench latency|throughput|prefix|serve`: the engine offline (batch 1, or many requests queued at once), or any
 OpenAI-compatible server (kiln's own, vLLM, SGLang, TensorRT-LLM's) under load."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import asyncio
 import json
 from pathlib import Path
 
+from . import bench_prefix
 from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark an engine or a server", description="Benchmarks.")
-    kinds = p.add_subparsers(dest="bench_kind", required=True, metavar="{latency,throughput,serve}")
+    kinds = p.add_subparsers(dest="bench_kind", required=True, metavar="{latency,throughput,prefix,serve}")
     lat = kinds.add_parser(
         "latency", help="batch 1: time to first token, decode tokens/s, inter-token latency",
         description="Load the engine and generate for one random prompt of --input-len tokens, --output-len tokens "
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     lat.set_defaults(run=run_offline, field_flags=field_flags(lat))
     thr.add_argument("--num-requests", type=int, default=1000, help="requests queued at once (default: 1000)")
     thr.set_defaults(run=run_offline, num_iters=1, warmup=1, field_flags=field_flags(thr))
+    bench_prefix.register(kinds)
     s = kinds.add_parser(
         "serve", help="load an OpenAI-compatible server with Poisson arrivals",
         description="Send --num-prompts streaming requests to an OpenAI-compatible server, arriving as a Poisson "

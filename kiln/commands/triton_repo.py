@@ -48,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest LoRA rank (adapter_size) served (runtime default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=None, metavar="M",
                    help="LoRA adapters kept in host memory (runtime default 2 * max_loras)")
+    p.add_argument("--kv-cache-host-memory-bytes", type=int, default=None, metavar="BYTES",
+                   help="host memory the prefix cache's evicted KV blocks move to and come back from, over all "
+                        "tensor-parallel ranks (the runtime's --kv-offloading-size; default 0: off)")
+    p.add_argument("--kv-offloading-dir", default=None, metavar="DIR",
+                   help="the prefix cache's disk tier below the host memory (needs --kv-cache-host-memory-bytes)")
+    p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
+                   help="GiB the disk tier may hold (runtime default 10)")
     p.add_argument("--python-path", action="append", default=[], metavar="DIR",
                    help="a directory model.py puts first on the Python backend's sys.path (repeatable), e.g. one "
                         "made by `pip install --target DIR \"numpy<2\"` for a backend stub built for numpy 1")
@@ -71,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
         enable_kv_cache_reuse=args.enable_kv_cache_reuse, force=args.force, python_path=args.python_path,
         record_site=args.record_site, enable_lora=args.enable_lora, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, layout=args.layout)
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, layout=args.layout,
+        kv_cache_host_memory_bytes=args.kv_cache_host_memory_bytes, kv_offloading_dir=args.kv_offloading_dir,
+        kv_offloading_disk_size=args.kv_offloading_disk_size)
     repo = model.model_dir.parent
     print(f"wrote {model.config_file} (python backend, decoupled, max_batch_size {model.max_batch_size}, "
           f"{model.instance_kind})")

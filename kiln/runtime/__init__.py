@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kiln.runtime.core.guided_decoding import GuidedDecoding
     from kiln.runtime.core.lora_request import LoRARequest
-    from kiln.runtime.core.outputs import CompletionOutput, RequestOutput
+    from kiln.runtime.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from kiln.runtime.core.request_checks import Prompt
     from kiln.runtime.core.sampling_params import SamplingParams
     from kiln.runtime.engine.async_llm import AsyncLLM
@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 _PUBLIC = {"LLM": ".engine.llm", "AsyncLLM": ".engine.async_llm", "RequestOutput": ".core.outputs",
            "SamplingParams": ".core.sampling_params", "GuidedDecoding": ".core.guided_decoding",
            "RuntimeOptions": ".options", "Prompt": ".core.request_checks",
-           "LoRARequest": ".core.lora_request", "CompletionOutput": ".core.outputs"}
+           "LoRARequest": ".core.lora_request", "CompletionOutput": ".core.outputs",
+           "RequestMetrics": ".core.outputs"}
 __all__ = ["LLM", "AsyncLLM", "RequestOutput", "SamplingParams", "GuidedDecoding", "RuntimeOptions", "Prompt",
-           "LoRARequest", "CompletionOutput"]
+           "LoRARequest", "CompletionOutput", "RequestMetrics"]
 
 
 def __getattr__(name: str):

@@ -8,6 +8,8 @@ Checks that need no engine live here; those against the engine's built limits ar
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -83,6 +85,19 @@ class RuntimeOptions:
                                         type=int)
     """Adapters kept in host memory (LRU) once read from disk; None: 2 * max_loras. At least max_loras."""
 
+    kv_offloading_size: float = _option(
+        0.0, "GiB of host memory (pinned on CUDA) that KV blocks evicted from the prefix cache move to and come "
+             "back from, in all over the tensor-parallel ranks (0: off)", type=float)
+    """The host tier of the prefix cache, in GiB over all tensor-parallel ranks (each rank holds size / tp_size,
+    as vLLM's --kv-offloading-size); 0: off."""
+    kv_offloading_dir: str | None = _option(
+        None, "directory of the disk tier of the prefix cache: blocks the host tier evicts are written there and "
+              "found again after a restart (needs --kv-offloading-size)", type=str)
+    """The disk tier's directory (needs kv_offloading_size > 0); None: no disk tier."""
+    kv_offloading_disk_size: float = _option(
+        10.0, "GiB the disk tier (--kv-offloading-dir) may hold", type=float)
+    """The most GiB of block files the disk tier keeps in kv_offloading_dir."""
+
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "num_kv_blocks", "max_loras", "max_lora_rank",
                      "max_cpu_loras"):
@@ -108,6 +123,24 @@ class RuntimeOptions:
         object.__setattr__(self, "enable_lora", bool(self.enable_lora))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
+        self._check_kv_offloading()
+
+    def _check_kv_offloading(self) -> None:
+        for name, low in (("kv_offloading_size", "at least 0 (0: off)"),
+                          ("kv_offloading_disk_size", "above 0")):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or value < 0 or (value == 0 and name == "kv_offloading_disk_size")):
+                raise ValueError(f"{name}={value!r} must be a finite number of GiB, {low}")
+            object.__setattr__(self, name, float(value))
+        directory = self.kv_offloading_dir
+        if directory is not None:
+            if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+                raise ValueError(f"kv_offloading_dir={directory!r} must be a directory path")
+            object.__setattr__(self, "kv_offloading_dir", str(os.fspath(directory)))
+            if self.kv_offloading_size == 0:
+                raise ValueError(f"kv_offloading_dir={directory!r} needs kv_offloading_size > 0: the disk tier "
+                                 f"holds what the host tier evicts (--kv-offloading-dir needs --kv-offloading-size)")
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RuntimeOptions))

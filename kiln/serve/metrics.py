@@ -93,6 +93,7 @@ class _EngineCollector:
                                 value=hit / queried if queried else 0.0)
         yield CounterMetricFamily("kiln_num_preemptions", "Requests preempted (and recomputed later)",
                                   value=s["num_preemptions"])
+        yield from _kv_tier_families(s)
         lora = self._lora()
         if lora is not None:  # with --enable-lora: adapters swapped into the engine's device slots
             yield CounterMetricFamily("kiln_lora_slot_loads", "LoRA adapters put into a device slot (--max-loras), "
@@ -111,3 +112,40 @@ class _EngineCollector:
             for position, count in enumerate(spec["accepted_per_position"]):
                 per_position.add_metric([str(position)], count)
             yield per_position
+
+
+def _kv_tier_families(s: dict):
+    """The prefix cache's host and disk tiers (--kv-offloading-size, --kv-offloading-dir), labelled by tier;
+    nothing without them."""
+    tiers = [t for t in ("host", "disk") if f"{t}_tier_hits" in s]
+    if not tiers:
+        return
+    names = {"host": {"blocks": "blocks", "stores": "stores"}, "disk": {"blocks": "files", "stores": "writes"}}
+    for name, doc, kind, key in (
+            ("kiln_kv_tier_blocks", "KV blocks a tier holds now", GaugeMetricFamily, "blocks"),
+            ("kiln_kv_tier_stores", "KV blocks copied into a tier", CounterMetricFamily, "stores"),
+            ("kiln_kv_tier_hits", "KV blocks a prompt found in a tier instead of recomputing them",
+             CounterMetricFamily, "hits"),
+            ("kiln_kv_tier_misses", "Disk-tier reads that found no valid file (recomputed)", CounterMetricFamily,
+             "misses"),
+            ("kiln_kv_tier_evictions", "KV blocks a tier dropped to make room (the host tier's go to disk)",
+             CounterMetricFamily, "evictions")):
+        family = kind(name, doc, labels=["tier"])
+        for tier in tiers:
+            value = s.get(f"{tier}_tier_{names[tier].get(key, key)}")
+            if value is not None:
+                family.add_metric([tier], value)
+        yield family
+    size = GaugeMetricFamily("kiln_kv_tier_bytes", "Bytes a tier holds now", labels=["tier"])
+    slots = s.get("host_tier_num_slots", 0)
+    size.add_metric(["host"], s["host_tier_blocks"] * s["host_tier_nbytes"] // slots if slots else 0)
+    if "disk_tier_bytes" in s:
+        size.add_metric(["disk"], s["disk_tier_bytes"])
+    yield size
+    seconds = CounterMetricFamily("kiln_kv_tier_copy_seconds", "Time spent copying KV blocks, by direction",
+                                  labels=["direction"])
+    for direction, key in (("device_to_host", "host_tier_offload_seconds"), ("host_to_device", "host_tier_load_seconds"),
+                           ("host_to_disk", "disk_tier_write_seconds"), ("disk_to_host", "disk_tier_read_seconds")):
+        if key in s:
+            seconds.add_metric([direction], s[key])
+    yield seconds

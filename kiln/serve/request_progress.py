@@ -23,6 +23,7 @@ class RequestProgress:
         self.logprobs: list[float] | None = None  # None unless the request asked for them
         self.top_logprobs: list[dict[int, float]] | None = None
         self.num_cached_tokens = 0
+        self.metrics = None  # RequestOutput.metrics: the cached tokens by tier
         self._text: list[str] = []  # pieces, joined when read
         self.text_len = 0
         # What a request may ask for besides its tokens: context logits (first update), generation logits rows
@@ -46,6 +47,7 @@ class RequestProgress:
         if self.top_logprobs is not None:
             self.top_logprobs.extend(out.top_logprobs or ())
         self.num_cached_tokens = out.num_cached_tokens
+        self.metrics = out.metrics
         if out.context_logits is not None:
             self.context_logits = out.context_logits
         if out.generation_logits is not None:  # a cumulative view reads its first rows only: appending is safe
@@ -78,6 +80,7 @@ class CumulativeOutput:
         self.prompt_logprobs = first.prompt_logprobs
         self.prompt_top_logprobs = first.prompt_top_logprobs
         self.num_cached_tokens = progress.num_cached_tokens
+        self.metrics = progress.metrics
         self.finish_reason = finish_reason
         self.context_logits = progress.context_logits
         self.perf_metrics = progress.perf_metrics

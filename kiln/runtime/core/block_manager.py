@@ -7,9 +7,15 @@ reuses it instead of recomputing. When a request ends, its blocks return to a fr
 contents and hash until the block is handed out again (least recently freed first), so cached prefixes
 survive as long as memory allows.
 
-Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `trim`, `free`. A table is
-handed out as a `BlockTable` (block_table.py): each list of blocks kept here is only ever appended to, so a
-snapshot is a reference and a length, not a copy, and says by its stamp whether it continues an earlier one.
+Verbs the scheduler uses: `find_cached_prefix`, `allocate`, `cache_full_blocks`, `trim`, `free`,
+`drain_transfers`. A table is handed out as a `BlockTable` (block_table.py): each list of blocks kept here is
+only ever appended to, so a snapshot is a reference and a length, not a copy, and says by its stamp whether it
+continues an earlier one.
+
+With a host tier (`attach_host_tier`, kv_tiers.py) a freed hashed block is also offered to host memory: the
+next step copies it there while the block waits one step outside the free queue (in flight; still counted
+free, and handed out only when nothing else is, with the step told to wait for the copy), and a prefix that
+continues past the device's cached blocks into the host tier gets fresh blocks that the step loads.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.runtime.core.block_table import BlockTable, new_stamp
+from kiln.runtime.core.kv_tiers import NO_TRANSFERS, HostTierIndex, KVTransfers
 
 
 @dataclass
@@ -27,14 +34,25 @@ class _Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+    persistent: bool = True  # its KV may outlive the process (disk tier): False for a LoRA adapter's blocks
 
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """Blocks of the prefix cache that a prompt can start from (empty when nothing matched)."""
+    """Blocks of the prefix cache that a prompt can start from (empty when nothing matched): `block_ids` in the
+    device pool, then `host_hashes`, the blocks after the first one the device lacks, which the host tier holds
+    (loaded into fresh blocks by the step) or the device again. `num_tokens` counts all; `num_host_tokens` /
+    `num_disk_tokens` the host tier's share (the latter: blocks read back from the disk tier)."""
 
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
+    host_hashes: tuple[bytes, ...] = ()
+    num_host_tokens: int = 0
+    num_disk_tokens: int = 0
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_tokens - self.num_host_tokens
 
 
 def _first_parent(lora_int_id: int) -> bytes | None:
@@ -68,12 +86,25 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its first full blocks
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # The host tier (None: off). Freed hashed blocks whose copy to it the next step makes wait here, in the
+        # order they were freed, instead of in _free; drain_transfers moves them to _free's end.
+        self.host: HostTierIndex | None = None
+        self._offloading: OrderedDict[int, None] = OrderedDict()
+        self._offloads: list[tuple[int, int]] = []  # (block, slot) for the next step
+        self._offload_slots: set[int] = set()  # their slots
+        self._loads: list[tuple[int, int]] = []  # (slot, block) for the next step
+        self._wait_for_offloads = False
+
+    def attach_host_tier(self, host: HostTierIndex) -> None:
+        """Offers freed hashed blocks to `host` and finds prefixes there (before any request is added)."""
+        self.host = host
 
     # ---- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that could be allocated now, cached-but-unused ones included."""
-        return len(self._free)
+        """Blocks that could be allocated now, cached-but-unused ones and those being copied to the host tier
+        included."""
+        return len(self._free) + len(self._offloading)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -99,14 +130,38 @@ class BlockManager:
             return CachedPrefix()
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
+        rest: list[bytes] = []  # the prefix's blocks after the first one the device pool lacks, by hash
+        num_host = num_disk = 0
         parent = _first_parent(lora_int_id)
         for i in range(max_blocks):
             parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._cached.get(parent)
-            if block_id is None:
+            if block_id is not None and not rest:
+                found.append(block_id)
+                continue
+            entry = self.host.get(parent) if self.host is not None and block_id is None else None
+            if entry is None and block_id is None:
                 break
-            found.append(block_id)
-        return CachedPrefix(tuple(found), len(found) * self.block_size)
+            rest.append(parent)
+            if entry is not None:
+                num_host += 1
+                num_disk += entry.from_disk
+        bs = self.block_size
+        return CachedPrefix(tuple(found), (len(found) + len(rest)) * bs, tuple(rest), num_host * bs, num_disk * bs)
+
+    def prefix_hashes(self, token_ids: Sequence[int], lora_int_id: int = 0) -> list[bytes]:
+        """The chain hashes of every full block of `token_ids` that a prompt could start from (the disk tier
+        looks these up before the request is scheduled)."""
+        parent = _first_parent(lora_int_id)
+        hashes = []
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether the device pool or the host tier holds the block."""
+        return block_hash in self._cached or (self.host is not None and block_hash in self.host)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_query_tokens += num_prompt_tokens
@@ -118,14 +173,14 @@ class BlockManager:
         new = max(0, self.blocks_needed(num_tokens) - have)
         # Cached blocks taken from the free queue count against what is free.
         reclaimed = sum(1 for b in prefix.block_ids if self._blocks[b].ref_count == 0)
-        return new + reclaimed <= len(self._free)
+        return new + reclaimed <= self.num_free_blocks
 
     def allocate(self, request_id: str, num_tokens: int, prefix: CachedPrefix = CachedPrefix()) -> bool:
         """Makes the request own enough blocks for `num_tokens` tokens in total, starting its table with
         `prefix` (only on its first allocation). Returns False and changes nothing if memory is short."""
         table = self._tables.get(request_id)
         if table is not None:
-            if prefix.block_ids:
+            if prefix.block_ids or prefix.host_hashes:
                 raise ValueError(f"request {request_id} already has blocks; "
                                  "a cached prefix only starts a table")
             if len(table) * self.block_size >= num_tokens:  # the usual case: a decode within its last block
@@ -138,13 +193,13 @@ class BlockManager:
         for block_id in prefix.block_ids:
             self._take(block_id)
             table.append(block_id)
-        if prefix.block_ids:
+        if prefix.block_ids or prefix.host_hashes:
             self._hashes[request_id] = [self._blocks[b].block_hash for b in prefix.block_ids]  # type: ignore[misc]
+            self._hashes[request_id] += prefix.host_hashes
+        for block_hash in prefix.host_hashes:
+            table.append(self._load(block_hash))
         while len(table) < self.blocks_needed(num_tokens):
-            block_id = next(iter(self._free))
-            self._evict(block_id)
-            self._take(block_id)
-            table.append(block_id)
+            table.append(self._fresh_block())
         return True
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
@@ -165,6 +220,7 @@ class BlockManager:
             block = self._blocks[table[i]]
             if block.block_hash is None and parent not in self._cached:
                 block.block_hash = parent
+                block.persistent = not lora_int_id
                 self._cached[parent] = block.block_id
 
     def free(self, request_id: str) -> None:
@@ -177,7 +233,7 @@ class BlockManager:
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None
+                self._release(block)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Gives back the request's blocks past the first `num_tokens` tokens (slots of rejected drafts).
@@ -224,29 +280,88 @@ class BlockManager:
         index = position // self.block_size
         if table is None or index >= len(table) or self._blocks[table[index]].ref_count == 1:
             return None
-        if not self._free:
+        if not self.num_free_blocks:
             return False
         src = table[index]
-        dst = next(iter(self._free))
-        self._evict(dst)
-        self._take(dst)
+        dst = self._fresh_block()
         self._blocks[src].ref_count -= 1  # still >= 1: another table holds it
         table = self._tables[request_id] = list(table)
         table[index] = dst
         self._stamps[request_id] = new_stamp()
         return src, dst
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block that no request uses."""
-        for block_id in list(self._free):
+    def reset_prefix_cache(self, device_only: bool = False) -> None:
+        """Forgets every cached block that no request uses, the host tier's too unless `device_only` (a prefix
+        the host tier holds is then loaded from there)."""
+        for block_id in [*self._free, *self._offloading]:
             self._evict(block_id)
+        if self.host is not None and not device_only:
+            self.host.clear()
+
+    def drain_transfers(self) -> KVTransfers:
+        """The host-tier copies the step being scheduled makes (once per step, after its allocations): the
+        blocks whose copy it makes stop being in flight from the next step on (they join the free queue's end,
+        as freed blocks do), and the host tier's slots are no longer pinned."""
+        if self.host is None:
+            return NO_TRANSFERS
+        transfers = KVTransfers(tuple(self._offloads), tuple(self._loads), self._wait_for_offloads) \
+            if self._offloads or self._loads else NO_TRANSFERS
+        self._offloads, self._loads, self._wait_for_offloads = [], [], False
+        self._offload_slots.clear()
+        self._free.update(self._offloading)
+        self._offloading.clear()
+        self.host.unpin_all()
+        return transfers
 
     # ---- internals -----------------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            if self._free.pop(block_id, False) is False:
+                del self._offloading[block_id]  # read while its copy is in flight: both only read it
         block.ref_count += 1
+
+    def _fresh_block(self) -> int:
+        """Takes the least recently freed block (its cached hash forgotten). One whose copy to the host tier
+        is in flight only when nothing else is free: the step then waits for that copy before it writes."""
+        if self._free:
+            block_id = next(iter(self._free))
+        else:
+            block_id = next(iter(self._offloading))
+            self._wait_for_offloads = True
+        self._evict(block_id)
+        self._take(block_id)
+        return block_id
+
+    def _load(self, block_hash: bytes) -> int:
+        """A device block for a prefix block the host tier holds: a fresh one the step loads the slot into
+        (cached under its hash at once), or the one an earlier table of the same admission loaded."""
+        block_id = self._cached.get(block_hash)
+        if block_id is not None:
+            self._take(block_id)
+            return block_id
+        entry = self.host.use(block_hash)  # type: ignore[union-attr]
+        entry.from_disk = False
+        if entry.slot in self._offload_slots:  # its copy to the host is this step's too
+            self._wait_for_offloads = True
+        block_id = self._fresh_block()
+        block = self._blocks[block_id]
+        block.block_hash, block.persistent = block_hash, entry.persistent
+        self._cached[block_hash] = block_id
+        self._loads.append((entry.slot, block_id))
+        return block_id
+
+    def _release(self, block: _Block) -> None:
+        """A block nobody uses any more: to the free queue, or first to the host tier when it caches a prefix
+        the tier does not hold yet."""
+        if self.host is not None and block.block_hash is not None:
+            slot = self.host.store(block.block_hash, block.persistent)
+            if slot is not None:
+                self._offloads.append((block.block_id, slot))
+                self._offload_slots.add(slot)
+                self._offloading[block.block_id] = None
+                return
+        self._free[block.block_id] = None
 
     def _evict(self, block_id: int) -> None:
         block = self._blocks[block_id]

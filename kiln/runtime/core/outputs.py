@@ -29,6 +29,22 @@ class CompletionOutput:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """Where a request's cached prompt tokens (`RequestOutput.num_cached_tokens`) came from: the device pool,
+    the host tier or the disk tier (`kv_offloading_size`, `kv_offloading_dir`); the rest were computed."""
+
+    num_cached_tokens_device: int = 0
+    num_cached_tokens_host: int = 0
+    num_cached_tokens_disk: int = 0
+
+    @classmethod
+    def of(cls, request) -> RequestMetrics:
+        """From a scheduled `Request` (core/request.py)."""
+        host, disk = request.num_cached_host_tokens, request.num_cached_disk_tokens
+        return cls(request.num_cached_prompt_tokens - host - disk, host, disk)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -57,6 +73,7 @@ class RequestOutput:
     # request's; a beam's are its CompletionOutput's).
     generation_logits: Any = None
     perf_metrics: RequestPerfMetrics | None = None  # SamplingParams.return_perf_metrics: timings, KV-cache reuse
+    metrics: RequestMetrics = RequestMetrics()  # num_cached_tokens by tier
 
     @property
     def outputs(self) -> list[CompletionOutput]:

@@ -41,8 +41,13 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    # Tokens of the prompt found in the prefix cache when the request was first scheduled.
+    # Tokens of the prompt found in the prefix cache when the request was first scheduled; of them, those the
+    # host tier and the disk tier held (kv_tiers.py), the rest were in the device pool.
     num_cached_prompt_tokens: int = 0
+    num_cached_host_tokens: int = 0
+    num_cached_disk_tokens: int = 0
+    # Its prefix's blocks are being read from the disk tier: the scheduler starts others before it meanwhile.
+    kv_pending: bool = False
     # Tokens a proposer guessed to follow (speculative decoding): the next step computes them after the last
     # token and samples every position, and only the prefix the target agrees with is kept.
     draft_token_ids: list[int] = field(default_factory=list)

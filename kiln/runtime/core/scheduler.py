@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kiln.runtime.core.block_manager import BlockManager, CachedPrefix
 from kiln.runtime.core.capacity import CapacityPolicy, MaxUtilization
+from kiln.runtime.core.kv_tiers import NO_TRANSFERS, KVTransfers
 from kiln.runtime.core.request import PLACEHOLDER, Request, RequestStatus
 
 
@@ -70,6 +71,8 @@ class SchedulerOutput:
     # KV blocks to copy (src, dst) before the step runs: a block beams shared, which one of them now writes
     # (copy-on-write, beam_search.py)
     block_copies: tuple[tuple[int, int], ...] = ()
+    # Copies between the device pool and the host tier, made before the step's forward (kv_tiers.py)
+    kv_transfers: KVTransfers = NO_TRANSFERS
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +155,9 @@ class Scheduler:
 
         # Waiting requests start only if nobody was preempted this step (memory is known to be short).
         while self.waiting and not preempted and budget > 0 and num_rows < self.limits.max_batch_size:
-            request = self.waiting[0]
+            request = self._next_waiting()
+            if request is None:
+                break
             rows = len(request.table_ids)
             if not self.policy.admits(request) or not self._adapter_fits(request, adapters) or \
                     budget < rows or num_rows + rows > self.limits.max_batch_size:
@@ -166,10 +171,12 @@ class Scheduler:
             num_new = min(request.num_tokens - prefix.num_tokens, budget // rows)
             if not self._admit(request, prefix.num_tokens + num_new, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.remove(request)  # the head, or the first that is not waiting for the disk tier
             if request.num_preemptions == 0:
                 self.blocks.record_prefix_lookup(request.num_prompt_tokens, prefix.num_tokens)
                 request.num_cached_prompt_tokens = prefix.num_tokens
+                request.num_cached_host_tokens = prefix.num_host_tokens - prefix.num_disk_tokens
+                request.num_cached_disk_tokens = prefix.num_disk_tokens
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.policy.started(request)
@@ -179,11 +186,18 @@ class Scheduler:
             budget -= num_new * rows
             num_rows += rows
 
-        return SchedulerOutput(
-            requests=tuple(row for r, n in scheduled for row in self._describe(r, n)),
-            preempted_ids=tuple(preempted),
-            block_copies=tuple(copies),
-        )
+        rows = tuple(row for r, n in scheduled for row in self._describe(r, n))
+        # An empty step is not launched: its host-tier copies wait for the next one that is.
+        return SchedulerOutput(rows, tuple(preempted), tuple(copies),
+                               self.blocks.drain_transfers() if rows else NO_TRANSFERS)
+
+    def _next_waiting(self) -> Request | None:
+        """The waiting request that may start next: the head of the queue, passing over requests whose prefix
+        is still being read from the disk tier (`Request.kv_pending`: they would only recompute it)."""
+        head = self.waiting[0]
+        if not head.kv_pending:
+            return head
+        return next((r for r in self.waiting if not r.kv_pending), None)
 
     def _allocate(self, request: Request, num_tokens: int, preempted: list[str],
                   copies: list[tuple[int, int]]) -> bool:

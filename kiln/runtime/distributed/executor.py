@@ -82,6 +82,8 @@ class TPExecutor:
         lora = self.runner.lora  # enable_lora: the ranks' adapters follow rank 0's (lora_sync.py)
         self._lora = None if lora is None else RankZeroLoRA(lora, self._send_bytes, self.groups.gather_texts)
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_host_kv_blocks = self.runner.num_host_kv_blocks  # equal on every rank (each its share)
+        self.host_kv_tier = None  # rank 0's tier holds only its shard of each block
         self.memory_report = self.runner.memory_report
         self.graph_capture_seconds = self.runner.graph_capture_seconds
 

@@ -46,6 +46,6 @@ def start_runner(info: EngineInfo, runtime: RuntimeConfig, groups: RankGroups,
                           num_kv_blocks=runtime.num_kv_blocks,
                           kv_cache_memory_fraction=runtime.kv_cache_memory_fraction, cuda_graphs=runtime.cuda_graphs,
                           lora=LoRALimits(runtime.max_loras, runtime.max_lora_rank, runtime.max_cpu_loras)
-                          if runtime.enable_lora else None)
+                          if runtime.enable_lora else None, host_kv_bytes=runtime.host_kv_bytes(mapping.tp_size))
     return ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype, limits=limits,
                        kv_cache_scales=kv_cache_scales, mapping=mapping, agree_num_blocks=groups.min_over_ranks)

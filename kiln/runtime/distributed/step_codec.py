@@ -11,9 +11,11 @@ naming the field, anything else included.
 A step is columns, not one object per request: `ids`, `ntok` (tokens per request), `tokens` (all requests'
 tokens, concatenated), `start`, `nprompt`, `nsampled`, `stamp` (the `BlockTable` stamp, 0 for a table without
 one), `nblk` (the table's length), `have` (how many of its blocks the ranks hold already), `blocks` (each table's
-blocks from `have` on, concatenated), `preempted`, and `targets` ([request id, prompt token ids, top_k, logprobs, logits] per
-prompt-logprob or context-logits target). Flat integer lists are what `json` encodes and decodes fastest, and what the decoder
-checks in C (`set(map(type, ...))`, `min`, `max`) rather than element by element in Python.
+blocks from `have` on, concatenated), `preempted`, `copies` (beam search's (src, dst) block pairs, flat), `kv`
+(the host tier's `KVTransfers`, null for none), and `targets` ([request id, prompt token ids, top_k, logprobs,
+logits] per prompt-logprob or context-logits target). Flat integer lists are what `json` encodes and decodes
+fastest, and what the decoder checks in C (`set(map(type, ...))`, `min`, `max`) rather than element by element in
+Python.
 
 Block tables travel as what they gained: a stamped table only grows (`block_table.py`), so the encoder and every
 decoder keep the same ledger (stamp -> blocks sent), and a decode step sends a block only every `block_size`
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.core.block_table import BlockTable
+from kiln.runtime.core.kv_tiers import NO_TRANSFERS, KVTransfers
 from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.distributed.launch import RankLaunch
@@ -60,7 +63,7 @@ INT64_END = 2 ** 63  # block-table stamps
 # run are scheduled every step; one that sat out longer gets its table sent whole again).
 LEDGER_STEPS = 32
 _STEP_KEYS = frozenset({"kind", "v", "ids", "ntok", "tokens", "start", "nprompt", "nsampled", "stamp", "nblk",
-                        "have", "blocks", "preempted", "targets", "lora", "copies"})
+                        "have", "blocks", "preempted", "targets", "lora", "copies", "kv"})
 _STOP_KEYS = frozenset({"kind", "v"})
 _START_KEYS = frozenset({"kind", "v", "engine_dir", "runtime", "launch", "kv_cache_scales", "log_level"})
 # The wire form of each RuntimeConfig / RankLaunch field; a field added there without one here is refused by
@@ -70,7 +73,8 @@ _RUNTIME_FIELDS = {"device": "device", "dtype": "dtype", "max_batch_size": "int"
                    "enable_prefix_caching": "bool", "kv_cache_memory_fraction": "float", "cuda_graphs": "bool",
                    "kv_cache_dtype": "dtype?", "async_scheduling": "bool?",
                    "capacity_scheduler_policy": "str", "enable_lora": "bool", "max_loras": "int",
-                   "max_lora_rank": "int", "max_cpu_loras": "int"}
+                   "max_lora_rank": "int", "max_cpu_loras": "int", "kv_offloading_size": "float",
+                   "kv_offloading_dir": "str?", "kv_offloading_disk_size": "float"}
 _LAUNCH_FIELDS = {"rank": "int", "world_size": "int", "master_addr": "str", "master_port": "int",
                   "local_rank": "int", "local_world_size": "int", "external": "bool"}
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
@@ -156,7 +160,8 @@ class StepEncoder:
                            "start": start, "nprompt": nprompt, "nsampled": nsampled, "stamp": stamps, "nblk": nblk,
                            "have": have, "blocks": blocks, "preempted": list(step.schedule.preempted_ids),
                            "targets": targets, "lora": lora,
-                           "copies": [b for pair in step.schedule.block_copies for b in pair]}).encode()
+                           "copies": [b for pair in step.schedule.block_copies for b in pair],
+                           "kv": _encode_transfers(step.schedule.kv_transfers)}).encode()
         except (TypeError, ValueError) as e:  # e.g. a numpy integer among the token ids
             raise StepCodecError(f"step has a value with no JSON form: {e}") from None
         for stamp, n in sent.items():
@@ -212,6 +217,7 @@ class StepDecoder:
             raise StepCodecError(f"step field 'copies' has {len(copies)} entries: (src, dst) block pairs need an "
                                  f"even number")
         targets = _targets(message["targets"])
+        transfers = _decode_transfers(message["kv"])
         if len(set(ids)) != n:
             raise StepCodecError("step field 'ids': a request id appears twice")
         ledger = self._ledger
@@ -246,7 +252,29 @@ class StepDecoder:
             t, b = t_end, b_end
         ledger.end_step()
         return StepInput(SchedulerOutput(tuple(requests), tuple(preempted),
-                                         tuple(zip(copies[::2], copies[1::2]))), targets)
+                                         tuple(zip(copies[::2], copies[1::2])), transfers), targets)
+
+
+def _encode_transfers(transfers: KVTransfers) -> list | None:
+    """[offloads as flat (block, slot) pairs, loads as flat (slot, block) pairs, wait_for_offloads]; None: none."""
+    if transfers == NO_TRANSFERS:
+        return None
+    return [[x for pair in transfers.offloads for x in pair], [x for pair in transfers.loads for x in pair],
+            transfers.wait_for_offloads]
+
+
+def _decode_transfers(value: Any) -> KVTransfers:
+    if value is None:
+        return NO_TRANSFERS
+    if type(value) is not list or len(value) != 3 or type(value[2]) is not bool:
+        raise StepCodecError("step field 'kv' must be null or [offload pairs, load pairs, wait_for_offloads]")
+    pairs = []
+    for i, name in enumerate(("offloads", "loads")):
+        flat = int_list({name: value[i]}, name, 0, INT32_END, None, f"'kv'[{i}] ({name})")
+        if len(flat) % 2:
+            raise StepCodecError(f"step field 'kv'[{i}] ({name}) has {len(flat)} entries: pairs need an even number")
+        pairs.append(tuple(zip(flat[::2], flat[1::2])))
+    return KVTransfers(pairs[0], pairs[1], value[2])
 
 
 def _targets(value: Any) -> dict[str, PromptLogprobTarget]:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.runtime.core.beam_search import Hypothesis, f32
-from kiln.runtime.core.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.engine.detokenizer import PROMPT_CONTEXT_TOKENS
 
 
@@ -52,6 +52,7 @@ def beam_request_output(tracked) -> RequestOutput:
         finish_reason=request.status.value if finished else None,
         logprobs=list(best.logprobs) if best.logprobs is not None else None,
         num_cached_tokens=request.num_cached_prompt_tokens,
+        metrics=RequestMetrics.of(request),
         error=tracked.failure if finished else None,
         beam_outputs=completions,
         generation_logits=best.generation_logits,

@@ -22,6 +22,7 @@ from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.runtime.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from kiln.runtime.engine.beam_stage import BeamStage, check_beam_search, start_beams
 from kiln.runtime.engine.extra_outputs import ExtraOutputs
+from kiln.runtime.engine.kv_tiers import kv_tiers
 from kiln.runtime.engine.launched import Launched, token_feed
 from kiln.runtime.engine.lora_admission import LoRAAdmission
 from kiln.runtime.engine.text_stage import TextStage
@@ -88,6 +89,7 @@ class LLMEngine:
         # Adapters of LoRA requests: read off the engine thread (AsyncLLM), admitted and pinned here.
         self.lora = LoRAAdmission(executor, runtime, info.model_config)
         self.extras = ExtraOutputs()  # context / generation logits and perf metrics, for the requests that ask
+        self.kv_tiers = kv_tiers(self.block_manager, executor, info, runtime)  # host and disk tiers, if any
 
     @property
     def memory_report(self) -> MemoryReport:
@@ -112,6 +114,7 @@ class LLMEngine:
             self.speculator.shutdown()
         if self._guided is not None:  # its grammar worker processes
             self._guided.compiler.close()
+        self.kv_tiers.close()
         self.executor.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -150,6 +153,7 @@ class LLMEngine:
                                                          self.runtime.block_size)
         self.extras.add(request)
         self.scheduler.add_request(request)
+        self.kv_tiers.probe(request)  # its prefix read from the disk tier first, if it is there
         self.lora.pin(request_id, request.lora_int_id)  # until _release
         return request_id
 
@@ -207,6 +211,7 @@ class LLMEngine:
             finishing = self.scheduler.advance_inflight(inflight.schedule, self.runtime.max_seq_len)
         elif inflight is not None:
             self._complete(inflight)
+        self.kv_tiers.poll(lambda: inflight is None and not self.scheduler.running)  # blocks read from disk
         if self.speculator is not None:  # drafts for the decoding requests, verified by the step scheduled next
             self.speculator.propose(self.scheduler.running, lambda rid: self._tracked[rid].sampling_row())
         scheduled = self.scheduler.schedule(finishing)
@@ -363,7 +368,7 @@ class LLMEngine:
             self.speculator.release(request_id)
 
     # ---- introspection -------------------------------------------------------------------------
-    def kv_cache_stats(self) -> dict[str, int]:
+    def kv_cache_stats(self) -> dict[str, int | float]:
         bm = self.block_manager
         return {
             "total_blocks": bm.num_blocks,
@@ -375,6 +380,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.num_preemptions,
+            **self.kv_tiers.stats(),
         }
 
     def speculation_stats(self) -> dict | None:

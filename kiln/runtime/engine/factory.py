@@ -118,7 +118,11 @@ def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None)
         executor = speculator = None  # the traceback keeps this frame: let the network go now
         settle_verification(verification, error)
         raise
-    engine = LLMEngine(info, runtime, executor, speculator)
+    try:
+        engine = LLMEngine(info, runtime, executor, speculator)
+    except BaseException:
+        release_executor(executor, speculator)
+        raise
     # An engine dropped without shutdown() (a notebook's `del llm`) still stops a tensor-parallel engine's
     # ranks and leaves its groups: on the engine, not the executor, whose watcher thread keeps it alive.
     weakref.finalize(engine, release_executor, executor, speculator)

@@ -147,6 +147,11 @@ class LLM:
         """{"total_blocks", "free_blocks", ...}: free_blocks counts cached blocks no request uses."""
         return self.engine.kv_cache_stats()
 
+    def reset_prefix_cache(self, device_only: bool = False) -> None:
+        """Forgets every cached prefix block no request uses (vLLM's name); `device_only`: the device pool's
+        only, so the host tier (kv_offloading_size) serves a repeated prefix."""
+        self.engine.block_manager.reset_prefix_cache(device_only)
+
     def speculation_stats(self) -> dict | None:
         """Speculative decoding's acceptance counters and rates (None when the engine does not speculate)."""
         return self.engine.speculation_stats()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.runtime.core.outputs import RequestOutput
+from kiln.runtime.core.outputs import RequestMetrics, RequestOutput
 from kiln.runtime.core.perf_metrics import PerfRecorder, RequestPerfMetrics
 from kiln.runtime.core.request import Request
 from kiln.runtime.core.request_failure import RequestFailure
@@ -146,6 +146,7 @@ class TrackedRequest:
             prompt_logprobs=prompt(self.prompt_logprobs),
             prompt_top_logprobs=prompt(self.prompt_top_logprobs),
             num_cached_tokens=r.num_cached_prompt_tokens,
+            metrics=RequestMetrics.of(r),
             error=self.failure if finished else None,
             **self.extras(first, end, with_prompt),
         )

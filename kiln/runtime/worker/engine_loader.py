@@ -28,6 +28,7 @@ from kiln.engine_format import (
 from kiln.model_defs import CausalLM, ModelConfig, ModelConfigError, ModelDef, build_network, get_model_def
 from kiln.model_defs.dummy_weights import draw_dummy_weights
 from kiln.model_defs.layers.parallel import TPComm
+from kiln.model_defs.rope_params import kv_depends_on_sequence_length
 from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.spec import QuantSpec
 from kiln.runtime.options import RuntimeOptions, runtime_options
@@ -61,10 +62,17 @@ class RuntimeConfig:
     max_loras: int = 4  # device slots: the most distinct adapters in one step
     max_lora_rank: int = 16
     max_cpu_loras: int = 8  # adapters kept read in host memory
+    kv_offloading_size: float = 0.0  # GiB of host KV tier over all tensor-parallel ranks (worker/kv_host_tier.py)
+    kv_offloading_dir: str | None = None  # the disk tier's directory (the engine's side)
+    kv_offloading_disk_size: float = 10.0  # GiB the disk tier may hold
 
     @property
     def cache_dtype(self) -> torch.dtype:
         return self.kv_cache_dtype or self.dtype
+
+    def host_kv_bytes(self, tp_size: int = 1) -> int:
+        """Bytes of host KV tier one of `tp_size` ranks holds (each its share of kv_offloading_size)."""
+        return int(self.kv_offloading_size * 2**30) // tp_size
 
 
 @dataclass(frozen=True)
@@ -218,6 +226,20 @@ def resolve_device(spec: EngineSpec, device: str | torch.device | None) -> torch
     return dev
 
 
+def _prefix_caching(info: EngineInfo, asked: bool, max_seq_len: int) -> bool:
+    """Prefix caching as asked, but off (with a warning) where a block's keys depend on its sequence's length
+    (longrope, dynamic NTK past the original context): a cached prefix would serve keys of the wrong length."""
+    c = info.model_config
+    if asked and kv_depends_on_sequence_length(c.rope, c.max_position_embeddings, max_seq_len):
+        switch = c.rope.original_max_position_embeddings if c.rope.rope_type == "longrope" else \
+            c.max_position_embeddings
+        logger.warning("prefix caching is off: %s's %s rope rotates the keys of a sequence longer than %d tokens "
+                       "by its length, so a cached prefix would not serve another length",
+                       info.spec.architecture, c.rope.rope_type, switch)
+        return False
+    return asked
+
+
 def resolve_runtime(info: EngineInfo, options: RuntimeOptions | None = None, /, **keywords) -> RuntimeConfig:
     """The runtime's limits: the engine's, or lower ones asked for (`options`, or RuntimeOptions' field names as
     keywords over it); a ValueError names the one too high."""
@@ -228,12 +250,24 @@ def resolve_runtime(info: EngineInfo, options: RuntimeOptions | None = None, /, 
         max_batch_size=_override("max_batch_size", options.max_batch_size, build.max_batch_size, "--max-batch-size"),
         max_num_tokens=_override("max_num_tokens", options.max_num_tokens, build.max_num_tokens, "--max-num-tokens"),
         max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=options.num_kv_blocks,
-        enable_prefix_caching=options.enable_prefix_caching,
+        enable_prefix_caching=_prefix_caching(info, options.enable_prefix_caching, build.max_seq_len),
         kv_cache_memory_fraction=options.kv_cache_memory_fraction, cuda_graphs=options.cuda_graphs,
         kv_cache_dtype=build.kv_cache_torch_dtype, async_scheduling=options.async_scheduling,
         capacity_scheduler_policy=options.capacity_scheduler_policy, enable_lora=options.enable_lora,
         max_loras=options.max_loras, max_lora_rank=options.max_lora_rank,
-        max_cpu_loras=options.max_cpu_loras if options.max_cpu_loras is not None else 2 * options.max_loras)
+        max_cpu_loras=options.max_cpu_loras if options.max_cpu_loras is not None else 2 * options.max_loras,
+        kv_offloading_size=options.kv_offloading_size, kv_offloading_dir=_disk_tier(info, options.kv_offloading_dir),
+        kv_offloading_disk_size=options.kv_offloading_disk_size)
+
+
+def _disk_tier(info: EngineInfo, directory: str | None) -> str | None:
+    """The disk tier's directory; refused for a tensor-parallel engine, whose ranks' host tiers live in their
+    own processes (the engine's side reads and writes rank 0's slots)."""
+    if directory is not None and info.config.mapping.tp_size > 1:
+        raise ValueError(f"kv_offloading_dir (--kv-offloading-dir): the disk tier runs at tp_size 1 for now; this "
+                         f"tensor-parallel engine (tp_size {info.config.mapping.tp_size}) keeps to the host tier "
+                         f"(--kv-offloading-size)")
+    return directory
 
 
 def engine_quant_config(info: EngineInfo) -> QuantConfig | None:

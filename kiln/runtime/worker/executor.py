@@ -14,6 +14,7 @@ from kiln.checkpoints.lora_adapter import LoRAAdapter
 from kiln.model_defs import CausalLM
 from kiln.runtime.core.lora_request import LoRARequest
 from kiln.runtime.worker.engine_loader import RuntimeConfig
+from kiln.runtime.worker.kv_host_tier import HostKVTier
 from kiln.runtime.worker.memory import MemoryReport
 from kiln.runtime.worker.model_runner import LoRALimits, ModelRunner, RunnerLimits
 from kiln.runtime.worker.model_step import StepInput, StepResult
@@ -21,6 +22,10 @@ from kiln.runtime.worker.model_step import StepInput, StepResult
 
 class Executor(Protocol):
     num_kv_blocks: int  # KV blocks each rank holds (the block manager manages this many)
+    num_host_kv_blocks: int  # host KV tier slots each rank holds (kv_offloading_size; 0: no host tier)
+    # This process's host KV tier when it holds the whole cache (one rank), else None: the disk tier reads and
+    # writes slots through it.
+    host_kv_tier: HostKVTier | None
     memory_report: MemoryReport  # where rank 0's device memory went at startup
     graph_capture_seconds: float
     fault: str | None  # why steps cannot run any more (a rank failed); None while they can
@@ -49,11 +54,14 @@ class LocalExecutor:
                               kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
                               cuda_graphs=runtime.cuda_graphs,
                               lora=LoRALimits(runtime.max_loras, runtime.max_lora_rank, runtime.max_cpu_loras)
-                              if runtime.enable_lora else None)
+                              if runtime.enable_lora else None,
+                              host_kv_bytes=runtime.host_kv_bytes())
         self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype,
                                   limits=limits, kv_cache_scales=kv_cache_scales)
         # Fixed once the runner has started.
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.num_host_kv_blocks = self.runner.num_host_kv_blocks
+        self.host_kv_tier = self.runner.host_tier
         self.memory_report = self.runner.memory_report
         self.graph_capture_seconds = self.runner.graph_capture_seconds
         self.fault = None

@@ -37,6 +37,8 @@ class MemoryReport:
     kv_bytes_per_token: int = 0  # keys and values of one token over all layers (KVCache.bytes_per_token)
     tp_size: int = 1  # ranks of a tensor-parallel engine: the numbers are one rank's (each holds alike)
     dummy_weights_at_load: bool = False  # the weights are random, drawn at load (the engine has no weight files)
+    host_tier_bytes: int = 0  # host memory of the KV cache's host tier (kv_offloading_size's share of a rank)
+    host_tier_blocks: int = 0  # KV blocks the host tier holds
 
     @property
     def sequences_at_max_len(self) -> int:
@@ -53,7 +55,13 @@ class MemoryReport:
                 f"{self.num_kv_blocks * self.block_size} "
                 f"tokens, {self.sequences_at_max_len} sequences of max_seq_len {self.max_seq_len}; "
                 f"kv_cache_memory_fraction {self.kv_cache_memory_fraction}), CUDA graphs "
-                f"{self.graph_bytes / GIB:.2f} GiB, of {self.total_bytes / GIB:.2f} GiB")
+                f"{self.graph_bytes / GIB:.2f} GiB, of {self.total_bytes / GIB:.2f} GiB{self._host_tier()}")
+
+    def _host_tier(self) -> str:
+        if self.host_tier_bytes <= 0:
+            return ""
+        return (f"; host KV tier {self.host_tier_bytes / GIB:.2f} GiB ({self.host_tier_blocks} blocks = "
+                f"{self.host_tier_blocks * self.block_size} tokens)")
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

@@ -23,6 +23,7 @@ from kiln.runtime.sampling.prompt_logprobs import prompt_logprobs
 from kiln.runtime.worker import memory
 from kiln.runtime.worker.cuda_graphs import DecodeGraphs, decode_batch
 from kiln.runtime.worker.kv_cache import KVCache, rank_cache_config
+from kiln.runtime.worker.kv_host_tier import HostKVTier, host_tier_for
 from kiln.runtime.worker.lora_slots import LoRASlots
 from kiln.runtime.worker.memory_profile import profile_activation_bytes
 from kiln.runtime.worker.model_step import StepInput, StepResult
@@ -44,6 +45,7 @@ class RunnerLimits:
     kv_cache_memory_fraction: float = 0.9
     cuda_graphs: bool = True
     lora: LoRALimits | None = None  # None: no LoRA adapters
+    host_kv_bytes: int = 0  # this rank's host KV tier (kv_offloading_size's share); 0: none
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class ModelRunner:
         except torch.OutOfMemoryError:
             raise memory.out_of_memory(f"allocating {num_blocks} KV blocks", fraction) from None
         self.num_kv_blocks = num_blocks
+        # Before the graphs: its device staging buffers come out of the memory they would take.
+        self.host_tier: HostKVTier | None = host_tier_for(self.kv_cache, limits.host_kv_bytes)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
@@ -117,8 +121,15 @@ class ModelRunner:
             block_size=limits.block_size, max_seq_len=limits.max_seq_len, kv_cache_memory_fraction=fraction,
             kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
             kv_bytes_per_token=KVCache.bytes_per_token(cache_config, kv_cache_dtype),
-            tp_size=1 if mapping is None else mapping.tp_size)
+            tp_size=1 if mapping is None else mapping.tp_size,
+            host_tier_bytes=self.host_tier.nbytes if self.host_tier is not None else 0,
+            host_tier_blocks=self.num_host_kv_blocks)
         logger.info("%s", self.memory_report.summary())
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """Slots of the host KV tier (0: none)."""
+        return self.host_tier.num_slots if self.host_tier is not None else 0
 
     def _capture_graphs(self, fraction: float) -> int:
         free_before, _ = torch.cuda.mem_get_info(self.device)
@@ -160,6 +171,13 @@ class ModelRunner:
         packed batch eagerly."""
         schedule, targets, feed = step.schedule, step.prompt_logprob_targets, step.token_feed
         request_ids = tuple(r.request_id for r in schedule.requests)
+        # The host tier's copies, before anything touches those blocks; every step (even without transfers) is
+        # ordered after the previous step's offloads, which read blocks it may write.
+        if self.host_tier is not None:
+            self.host_tier.apply(schedule.kv_transfers)
+        elif not schedule.kv_transfers.is_empty:
+            raise ValueError("a step with KV transfers, but this runner has no host KV tier "
+                             "(kv_offloading_size / --kv-offloading-size is 0)")
         if schedule.block_copies:  # beams' copy-on-write: before anything reads or writes those blocks
             self.kv_cache.copy_blocks(schedule.block_copies)
         if self.graphs is not None and self.graphs.fits(len(schedule.requests)):

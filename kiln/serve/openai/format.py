@@ -101,6 +101,8 @@ def stop_string(tokenizer, params: SamplingParams, eos_token_ids: frozenset[int]
     return next((s for s in params.stop if full.startswith(s, index + len(out.text))), "")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache (any tier)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

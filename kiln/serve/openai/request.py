@@ -221,7 +221,8 @@ def expand_beams(choice: Choice, out: RequestOutput) -> list[tuple[Choice, Reque
 def usage(choices: list[Choice], outputs: dict[int, RequestOutput]) -> dict:
     prompt = sum(len(outputs[c.index].prompt_token_ids) for c in choices if c.counts_prompt)
     completion = sum(len(outputs[c.index].token_ids) for c in choices if not c.drop_output)
-    return usage_object(prompt, completion)
+    cached = sum(outputs[c.index].num_cached_tokens for c in choices if c.counts_prompt)
+    return usage_object(prompt, completion, cached)
 
 
 

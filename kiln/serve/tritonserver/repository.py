@@ -34,6 +34,7 @@ LAYOUTS = ("single", "ensemble")  # one model, or TensorRT-LLM backend's five (l
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BOOLS = {"true": True, "false": False}
 _LORA_LIMITS = ("max_loras", "max_lora_rank", "max_cpu_loras")
+_OFFLOADING = ("kv_cache_host_memory_bytes", "kv_offloading_dir", "kv_offloading_disk_size")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class BackendParameters:
     checked before it is tokenized (absent: serve/limits.py's default_max_prompt_chars for the engine).
     `enable_lora`, `max_loras`, `max_lora_rank` and `max_cpu_loras` are the runtime's LoRA options (RuntimeOptions;
     absent: its defaults): with enable_lora the inputs lora_task_id, lora_weights and lora_config select adapters.
+    `kv_cache_host_memory_bytes` is TensorRT-LLM's host cache for block reuse: the bytes of host memory the prefix
+    cache's evicted blocks move to (the runtime's kv_offloading_size, in GiB); `kv_offloading_dir` and
+    `kv_offloading_disk_size` (GiB) are kiln's disk tier below it (RuntimeOptions; absent: off, and its default).
     """
 
     engine_dir: str  # absolute path
@@ -59,6 +63,9 @@ class BackendParameters:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
+    kv_cache_host_memory_bytes: int | None = None
+    kv_offloading_dir: str | None = None
+    kv_offloading_disk_size: float | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.engine_dir).is_absolute():
@@ -75,6 +82,12 @@ class BackendParameters:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        host = self.kv_cache_host_memory_bytes
+        if host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 0):
+            raise ValueError(f"kv_cache_host_memory_bytes={host!r} must be a number of bytes, at least 0")
+        if self.kv_offloading_dir is not None and not host:
+            raise ValueError(f"kv_offloading_dir={self.kv_offloading_dir!r} needs kv_cache_host_memory_bytes > 0 "
+                             f"(--kv-cache-host-memory-bytes): the disk tier holds what the host memory evicts")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora={self.enable_lora!r} must be true or false")
 
@@ -83,11 +96,21 @@ class BackendParameters:
         options = {name: getattr(self, name) for name in _LORA_LIMITS if getattr(self, name) is not None}
         return {"enable_lora": self.enable_lora, **options}
 
+    def offloading_options(self) -> dict:
+        """The RuntimeOptions fields of the prefix cache's host and disk tiers that config.pbtxt sets."""
+        options: dict = {}
+        if self.kv_cache_host_memory_bytes is not None:
+            options["kv_offloading_size"] = self.kv_cache_host_memory_bytes / 2**30
+        for name in ("kv_offloading_dir", "kv_offloading_disk_size"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        return options
+
     def to_strings(self) -> dict[str, str]:
         strings = {"engine_dir": self.engine_dir, "batch_scheduler_policy": self.batch_scheduler_policy,
                    "kv_cache_free_gpu_mem_fraction": repr(self.kv_cache_free_gpu_mem_fraction),
                    "enable_kv_cache_reuse": str(self.enable_kv_cache_reuse).lower()}
-        for name in ("max_prompt_chars", *_LORA_LIMITS):
+        for name in ("max_prompt_chars", *_LORA_LIMITS, *_OFFLOADING):
             if getattr(self, name) is not None:
                 strings[name] = str(getattr(self, name))
         if self.enable_lora:
@@ -115,6 +138,17 @@ class BackendParameters:
             if values.get(name, "").strip():
                 text = values[name]
                 kwargs[name] = int(text) if text.strip().isdigit() else text
+        if values.get("kv_cache_host_memory_bytes", "").strip():
+            text = values["kv_cache_host_memory_bytes"]
+            kwargs["kv_cache_host_memory_bytes"] = int(text) if text.strip().isdigit() else text
+        if values.get("kv_offloading_dir", "").strip():
+            kwargs["kv_offloading_dir"] = values["kv_offloading_dir"].strip()
+        if values.get("kv_offloading_disk_size", "").strip():
+            text = values["kv_offloading_disk_size"]
+            try:
+                kwargs["kv_offloading_disk_size"] = float(text)
+            except ValueError:
+                raise ValueError(f"kv_offloading_disk_size={text!r} must be a number of GiB above 0") from None
         if values.get("enable_lora", "").strip():
             text = values["enable_lora"]
             kwargs["enable_lora"] = _BOOLS.get(text.strip().lower(), text)
@@ -165,7 +199,9 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                      force: bool = False, python_path: Sequence[str | Path] = (),
                      record_site: bool = True, enable_lora: bool = False, max_loras: int | None = None,
                      max_lora_rank: int | None = None, max_cpu_loras: int | None = None,
-                     layout: str = "single") -> TritonModel:
+                     layout: str = "single", kv_cache_host_memory_bytes: int | None = None,
+                     kv_offloading_dir: str | None = None,
+                     kv_offloading_disk_size: float | None = None) -> TritonModel:
     """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
     replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
     for a directory that is not a kiln engine and ValueError for anything else it refuses.
@@ -173,7 +209,7 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
     `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
     this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path, and
     imports kiln from this kiln's package directory (also recorded with `record_site`). `enable_lora` and the
-    LoRA limits go to config.pbtxt for the runtime (BackendParameters). `layout="ensemble"` writes TensorRT-LLM
+    LoRA limits, and the prefix cache's host and disk tiers, go to config.pbtxt for the runtime (BackendParameters). `layout="ensemble"` writes TensorRT-LLM
     backend's five models instead (layout.py, layout_repository.py; REPO/tensorrt_llm is the model_dir returned)."""
     import kiln
 
@@ -202,12 +238,19 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                          f"{built}")
     params = BackendParameters(str(engine_dir), batch_scheduler_policy, float(kv_cache_free_gpu_mem_fraction),
                                enable_kv_cache_reuse, enable_lora=enable_lora, max_loras=max_loras,
-                               max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+                               max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                               kv_cache_host_memory_bytes=kv_cache_host_memory_bytes,
+                               # absolute: tritonserver runs model.py from another directory
+                               kv_offloading_dir=None if kv_offloading_dir is None else
+                               str(Path(kv_offloading_dir).resolve()),
+                               kv_offloading_disk_size=kv_offloading_disk_size)
     if not enable_lora and any(v is not None for v in (max_loras, max_lora_rank, max_cpu_loras)):
         raise ValueError("--max-loras, --max-lora-rank and --max-cpu-loras need --enable-lora")
     from kiln.runtime import RuntimeOptions
 
-    RuntimeOptions(**params.lora_options())  # refused now (a ValueError naming the field), not at Triton's load
+    # Refused now (a ValueError naming the field), not at Triton's load.
+    RuntimeOptions(**params.lora_options(), **params.offloading_options(),
+                   enable_prefix_caching=params.enable_kv_cache_reuse)
     kind = "KIND_GPU" if spec.target.get("device_type") == "cuda" else "KIND_CPU"
 
     repo = Path(repo).resolve()

@@ -2,10 +2,13 @@
 
 The block manager offers freed hashed blocks to the host tier's index and finds prefixes there
 (core/kv_tiers.py); each step's worker copies the blocks (worker/kv_host_tier.py). This stage adds what lives
-beside the step: the disk tier (worker/kv_disk_tier.py), which takes the blocks the host tier evicts and, when
-a new request's prefix continues on disk past what the device and host hold, reads those files on a reader
-thread into host slots while the request waits (`Request.kv_pending`; others start meanwhile), so the step that
-starts it loads them like any host hit. A file that fails its checks is skipped and its blocks recomputed.
+beside the step: the disk tier (worker/kv_disk_tier.py). Before each schedule it hands the host tier's oldest
+blocks to the disk tier's writer thread, which writes them straight from their slots (kept from reuse until
+written), so that the host tier always has free or already-written slots to evict and the engine's thread never
+copies a block. When a new request's prefix continues on disk past what the device and host hold, reader
+threads read those files straight into reserved host slots while the request waits (`Request.kv_pending`; others
+start meanwhile), and the step that starts it loads them like any host hit. A file that fails its checks is
+skipped and its blocks recomputed.
 
 The disk tier runs in the process that holds the host tier's memory: tensor parallelism keeps to the host tier.
 """
@@ -67,10 +70,13 @@ class KVTiers:
         self.blocks = blocks
         self.host_memory = getattr(executor, "host_kv_tier", None)  # rank 0's slots, in this process
         self.host = HostTierIndex(executor.num_host_kv_blocks, on_evict=self._demote)
+        # The disk tier writes ahead while fewer slots than this are free or hold blocks already on disk.
+        self._low_water = max(4, self.host.num_slots // 8)
         blocks.attach_host_tier(self.host)
         self.disk: DiskKVTier | None = None
-        self._reads: queue.Queue[tuple[Request, list[bytes]] | None] = queue.Queue()
-        self._done: queue.Queue[tuple[Request, list[tuple[bytes, bytes]]]] = queue.Queue()
+        # (request, [(block hash, its reserved slot's memory)]) to read; (request, [(block hash, read?)]) read
+        self._reads: queue.Queue[tuple[Request, list[tuple[bytes, memoryview]]] | None] = queue.Queue()
+        self._done: queue.Queue[tuple[Request, list[tuple[bytes, bool]]]] = queue.Queue()
         self._pending = 0  # reads submitted and not yet taken back by poll
         directory = runtime.kv_offloading_dir
         if directory is not None:
@@ -101,8 +107,9 @@ class KVTiers:
 
     # ---- engine hooks ----------------------------------------------------------------------------
     def probe(self, request: Request) -> None:
-        """A request just added: if its prefix continues on disk past what the device and host hold, reads
-        those blocks on the reader thread while the request waits (`kv_pending`)."""
+        """A request just added: if its prefix continues on disk past what the device and host hold, reserves
+        host slots for those blocks and has the reader threads read the files straight into them while the
+        request waits (`kv_pending`)."""
         if self.disk is None or request.sampling_params.needs_prompt_positions or request.beams is not None:
             return
         on_disk: list[bytes] = []
@@ -114,14 +121,24 @@ class KVTiers:
             if block_hash not in self.disk:
                 break
             on_disk.append(block_hash)
-        if on_disk:
+        job = []
+        for block_hash in on_disk:
+            slot = self.host.reserve(block_hash)
+            if slot is None:  # every slot pinned: the rest is recomputed
+                break
+            job.append((block_hash, self.host_memory.slot_buffer(slot)))
+        if job:
             request.kv_pending = True
             self._pending += 1
-            self._reads.put((request, on_disk))
+            self._reads.put((request, job))
 
     def poll(self, idle: Callable[[], bool]) -> None:
-        """Before each schedule: blocks read from disk go into host slots and their requests may start. When
-        `idle()` (nothing else to run), waits a little for a read rather than spinning."""
+        """Before each schedule: the host tier's oldest blocks go to the disk tier's writer, blocks read from
+        disk go into host slots and their requests may start. When `idle()` (nothing else to run), waits a
+        little for a read rather than spinning."""
+        if self.disk is None:
+            return
+        self._write_ahead()
         if not self._pending:
             return
         wait = 0.005 if idle() else 0.0
@@ -132,13 +149,13 @@ class KVTiers:
                 return
             wait = 0.0
             self._pending -= 1
-            for block_hash, payload in blocks:
-                if self.blocks.is_cached(block_hash):
-                    continue
-                slot = self.host.insert(block_hash)
-                if slot is None:  # every slot pinned: the rest is recomputed
-                    break
-                self.host_memory.write_slot(slot, payload)
+            chain = True  # a block after one that failed is of no use: the prefix breaks there
+            for block_hash, ok in blocks:
+                chain = chain and ok
+                if chain and not self.blocks.is_cached(block_hash):  # (computed meanwhile: not needed)
+                    self.host.fill(block_hash)
+                else:
+                    self.host.release(block_hash)
             request.kv_pending = False
 
     def stats(self) -> dict[str, int | float]:
@@ -162,27 +179,38 @@ class KVTiers:
         self._reads.put(None)
         self._reader.join(timeout=5)
         for block_hash, entry in self.host.settled():  # oldest first: the disk's LRU evicts those first
-            if entry.persistent and block_hash not in self.disk:
+            if entry.persistent and not entry.on_disk and not entry.writing and block_hash not in self.disk:
                 if self.disk.stats()["pending"] >= self.disk.max_pending_writes:
                     self.disk.flush()  # a full queue would drop it
-                self.disk.write(block_hash, self.host_memory.read_slot(entry.slot))
+                self.disk.write_view(block_hash, self.host_memory.read_slot(entry.slot))  # nothing reuses it now
         self.disk.close()
 
     # ---- internals -------------------------------------------------------------------------------
     def _demote(self, slot: int, block_hash: bytes, entry: HostEntry) -> None:
-        """The host tier evicts a block: the disk tier keeps it (not a LoRA adapter's: ids are per process)."""
-        if self.disk is not None and entry.persistent and block_hash not in self.disk:
+        """The host tier evicts a block the writer has not reached (it fell behind): copied out now, on this
+        thread, so that the disk tier still gets it (not a LoRA adapter's: ids are per process)."""
+        if self.disk is not None and entry.persistent and not entry.on_disk and block_hash not in self.disk:
             self.disk.write(block_hash, self.host_memory.read_slot(slot))
+
+    def _write_ahead(self) -> None:
+        """Ends the disk writes that finished, then queues the oldest blocks not on disk while too few slots are
+        free or evictable at no loss (not a LoRA adapter's blocks: adapter ids are per process)."""
+        for block_hash, written in self.disk.take_finished():
+            self.host.finish_write(block_hash, written)
+        short = self._low_water - self.host.num_free - self.host.num_on_disk
+        if short <= 0:
+            return
+        room = self.disk.max_pending_writes - int(self.disk.stats()["pending"])
+        for block_hash, entry in self.host.write_candidates(min(short, room)):
+            entry.writing = True
+            if not self.disk.write_view(block_hash, self.host_memory.read_slot(entry.slot)):
+                self.host.finish_write(block_hash, block_hash in self.disk)  # on disk already, or dropped
 
     def _read_loop(self) -> None:
         # A request's files are read and checked by several threads at once (reading and hashing release the
         # GIL): one thread reads about 0.3 GB/s, most of it the checksum.
         with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kiln-kv-disk-read") as pool:
             while (job := self._reads.get()) is not None:
-                request, hashes = job
-                blocks: list[tuple[bytes, bytes]] = []
-                for block_hash, payload in zip(hashes, pool.map(self.disk.read, hashes)):
-                    if payload is None:  # missing or failed its checks: recomputed from here
-                        break
-                    blocks.append((block_hash, payload))
-                self._done.put((request, blocks))
+                request, blocks = job
+                read = pool.map(lambda item: self.disk.read_into(*item), blocks)
+                self._done.put((request, [(block_hash, ok) for (block_hash, _), ok in zip(blocks, read)]))

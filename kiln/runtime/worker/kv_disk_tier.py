@@ -86,8 +86,10 @@ class DiskKVTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file bytes, oldest first
         self._used = 0  # bytes of indexed files plus the write in progress
         self._reserved = 0  # bytes of the write in progress
-        self._pending: deque[tuple[bytes, bytes]] = deque()  # (block hash, payload) queued for the writer
+        self._pending: deque[tuple[bytes, bytes | memoryview]] = deque()  # (block hash, payload) for the writer
         self._queued: set[bytes] = set()  # hashes queued or being written
+        self._views: set[bytes] = set()  # of those, queued by write_view (the caller's memory, not a copy)
+        self._finished: list[tuple[bytes, bool]] = []  # write_view's writes that ended: (hash, file written)
         self._writing = 0  # 1 while the writer handles a block taken off `_pending`
         self._closing = False
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -159,6 +161,28 @@ class DiskKVTier:
             self._cond.notify_all()
             return True
 
+    def write_view(self, block_hash: bytes, payload: memoryview) -> bool:
+        """`write` without the copy: the writer reads `payload` itself, so the caller must keep that memory as
+        it is until the write is reported by `take_finished`. True when this call queued it (it will be
+        reported); False when the block is on disk or queued already, or the write is dropped (nothing held)."""
+        check_block_hash(block_hash)
+        view = memoryview(payload).cast("B")
+        with self._cond:
+            if self._known_locked(block_hash) or not self._accepts_locked(view.nbytes):
+                return False
+            self._pending.append((block_hash, view))
+            self._queued.add(block_hash)
+            self._views.add(block_hash)
+            self._cond.notify_all()
+            return True
+
+    def take_finished(self) -> list[tuple[bytes, bool]]:
+        """The `write_view` writes that ended since the last call, each (block hash, whether its file is on
+        disk now); their memory is the caller's again."""
+        with self._cond:
+            finished, self._finished = self._finished, []
+        return finished
+
     def _known_locked(self, block_hash: bytes) -> bool:
         if block_hash in self._index:
             self._index.move_to_end(block_hash)
@@ -207,6 +231,9 @@ class DiskKVTier:
             finally:
                 with self._cond:
                     self._queued.discard(block_hash)
+                    if block_hash in self._views:
+                        self._views.discard(block_hash)
+                        self._finished.append((block_hash, block_hash in self._index))
                     self._writing = 0
                     self._cond.notify_all()
 
@@ -288,7 +315,17 @@ class DiskKVTier:
             with self._cond:
                 self._read_seconds += time.perf_counter() - start
 
-    def _read(self, block_hash: bytes) -> bytes | None:
+    def read_into(self, block_hash: bytes, out: memoryview) -> bool:
+        """`read`, into `out` (a writable buffer of `block_bytes`, e.g. a host slot) instead of new bytes: True
+        when `out` now holds the checked payload; False as `read`'s None (`out` then holds anything)."""
+        start = time.perf_counter()
+        try:
+            return self._read(block_hash, out) is not None
+        finally:
+            with self._cond:
+                self._read_seconds += time.perf_counter() - start
+
+    def _read(self, block_hash: bytes, out: memoryview | None = None) -> bytes | memoryview | None:
         with self._cond:
             known = block_hash in self._index
         if not known:
@@ -299,7 +336,11 @@ class DiskKVTier:
             with open(path, "rb") as f:
                 actual_size = os.fstat(f.fileno()).st_size
                 header = parse_header(f.read(file_size(block_hash, 0)), len(block_hash))
-                payload = f.read(min(header.payload_len, actual_size))
+                if out is None:
+                    payload = f.read(min(header.payload_len, actual_size))
+                else:  # straight into the caller's buffer (a pinned host slot): no copy
+                    out = memoryview(out).cast("B")
+                    payload = out[:f.readinto(out[:min(header.payload_len, len(out))])]
             check_block(header, payload, identity=self.identity, block_hash=block_hash,
                         payload_len=self.block_bytes, actual_size=actual_size)
         except FileNotFoundError:  # evicted (or removed by hand) since the index was read

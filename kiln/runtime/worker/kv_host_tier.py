@@ -231,6 +231,13 @@ class HostKVTier:
         self._settle(slot)
         return memoryview(self._np[slot])
 
+    def slot_buffer(self, slot: int) -> memoryview:
+        """`slot`'s memory, writable (the disk tier reads a block file straight into it), once the queued copy
+        that last touched the slot is done; the caller keeps every copy away from it meanwhile."""
+        self._check_slot(slot)
+        self._settle(slot)
+        return memoryview(self._np[slot])
+
     def write_slot(self, slot: int, payload: bytes | bytearray | memoryview) -> None:
         """Fills `slot` with a block's bytes (exactly `slot_bytes`), once the queued copies that read or write
         slots are done."""

@@ -22,6 +22,11 @@ _CONFIG_CLASSES = {
     "Olmo2ForCausalLM": transformers.Olmo2Config,
     "GraniteForCausalLM": transformers.GraniteConfig,
     "SmolLM3ForCausalLM": transformers.SmolLM3Config,
+    "Gemma2ForCausalLM": transformers.Gemma2Config,
+    "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+    "Phi3ForCausalLM": transformers.Phi3Config,
+    "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+    "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
 }
 
 BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -23,9 +23,10 @@ PROMPT = "the cat"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 SMALL = BuildConfig(max_batch_size=4, max_num_tokens=64, max_seq_len=128, kv_block_size=8)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-SUPPORTED = ("GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
-             "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-             "SmolLM3ForCausalLM", "Starcoder2ForCausalLM")
+SUPPORTED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+             "GptOssForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+             "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+             "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM")
 
 
 def build(checkpoint, output, **overrides):

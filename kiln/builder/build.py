@@ -308,6 +308,8 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
     if not checkpoint.is_dir():
         raise BuildError(f"checkpoint directory {checkpoint} does not exist")
     model_def, model_config = load_model_config(checkpoint)
+    if config.device == "cuda" and model_def.cuda_refusal:
+        raise BuildError(model_def.cuda_refusal)
     dtype_name = resolve_dtype(config.dtype, model_config, config.device)
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     try:  # again with max_seq_len resolved: the block tables of a full batch must stay allocatable

@@ -68,6 +68,10 @@ def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: Mo
     """None for a full-precision build. Raises QuantError for a layer the format cannot take (named, with
     its sizes) or a calibration file that cannot be read, before any weight is read. A pre-quantized
     checkpoint (`checkpoint_format`) is read as it is: asking to quantize it again is refused."""
+    if model_config.mla is not None and config.kv_cache_dtype in KV_CACHE_QUANT_DTYPES:
+        raise QuantError(f"--kv-cache-dtype {config.kv_cache_dtype} is not supported with multi-head latent "
+                         f"attention (MLA, {model_config.architecture}) yet: its latent cache stays in the engine "
+                         f"dtype; build without --kv-cache-dtype")
     if checkpoint_format is not None:
         if config.quantizes:
             flags = [f"--qformat {config.qformat.name}"] * (config.qformat.name != "full_prec") + \

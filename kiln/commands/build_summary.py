@@ -14,8 +14,10 @@ def _mib(n: int) -> str:
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
     """Keys and values of one token over all layers, for `num_kv_heads` (default: the model's; a
-    tensor-parallel rank's own with `Mapping.kv_heads_per_rank`)."""
+    tensor-parallel rank's own with `Mapping.kv_heads_per_rank`). MLA: the compressed latent, every rank whole."""
     element = torch.empty((), dtype=dtype).element_size()
+    if getattr(model_config, "mla", None) is not None:
+        return model_config.num_layers * model_config.mla.latent_dim * element
     heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
     return 2 * model_config.num_layers * heads * model_config.head_dim * element
 
@@ -50,9 +52,10 @@ def engine_summary(engine_dir: Path) -> str:
     else:
         # Each rank holds its own KV heads (one replicated head when there are fewer than ranks).
         ranks = ", ".join(f"rank{r} {_mib(n)}" for r, n in enumerate(rank_bytes))
+        held = (f"{heads} of {info.model_config.num_kv_heads} KV heads each" if info.model_config.mla is None
+                else "the MLA latent, whole on every rank")
         lines = [f"weights {_mib(sum(rank_bytes))} over {mapping.tp_size} ranks ({ranks}; {how})",
-                 f"KV cache {kv:,} bytes/token per rank ({heads} of {info.model_config.num_kv_heads} KV heads "
-                 f"each; {kv_how})"]
+                 f"KV cache {kv:,} bytes/token per rank ({held}; {kv_how})"]
     calibration = quant.get("calibration")
     if calibration:
         lines.append(f"calibrated by ModelOpt {quant.get('modelopt_version')} on {calibration['dataset']}: "

@@ -1,6 +1,20 @@
 """Model definitions, one file per architecture family, registered by HF architecture string."""
 
-from . import granite, llama, moe, olmo2, qwen2, qwen3, smollm3, starcoder2  # noqa: F401  (registers the architectures)
+from . import (  # noqa: F401  (registers the architectures)
+           deepseek,
+           gemma2,
+           gemma3,
+           gpt_oss,
+           granite,
+           llama,
+           moe,
+           olmo2,
+           phi3,
+           qwen2,
+           qwen3,
+           smollm3,
+           starcoder2,
+)
 from .config import ModelConfig, ModelConfigError
 from .network import build_network
 from .protocol import CausalLM

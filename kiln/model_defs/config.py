@@ -18,11 +18,18 @@ from .config_limits import (
     check_token_id,
     is_count,
 )
+from .mla_config import GroupedRouting, MLAConfig, as_config
+from .rope_params import (
+    check_factor_list,
+    check_partial_rotary_factor,
+    check_rope_dims,
+    longrope_fields,
+)
 
 QK_NORM_SCOPES = ("head", "projection")
 # transformers' activation names that are torch's GELU: exact (erf) and the tanh approximation.
 GELU_ACTS = ("gelu", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,12 @@ class RopeConfig:
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None
     truncate: bool = True
+    # longrope (rope_params.py): per rotated pair of dimensions, the frequency divisors up to
+    # original_max_position_embeddings tokens (short) and past it (long); attention_factor as for yarn.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # The share of each head that rotates (Phi-4-mini: 0.75); the rest passes through.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -61,9 +74,15 @@ class RopeConfig:
                 raise ModelConfigError(f"rope_scaling high_freq_factor={self.high_freq_factor} must exceed "
                                        f"low_freq_factor={self.low_freq_factor}")
         check_count("rope_scaling original_max_position_embeddings", self.original_max_position_embeddings,
-                    "max_position_embeddings", minimum=1 if self.rope_type == "yarn" else 0)
+                    "max_position_embeddings", minimum=1 if self.rope_type in ("yarn", "longrope") else 0)
         if self.rope_type == "yarn":
             self._check_yarn()
+        check_partial_rotary_factor(self.partial_rotary_factor)
+        if self.rope_type == "longrope":  # engine.json gives lists: kept as tuples (frozen, hashable)
+            object.__setattr__(self, "short_factor", check_factor_list("short_factor", self.short_factor))
+            object.__setattr__(self, "long_factor", check_factor_list("long_factor", self.long_factor))
+            if self.attention_factor is not None:
+                check_positive_finite("rope_scaling attention_factor", self.attention_factor)
 
     def _check_yarn(self) -> None:
         # The correction range takes log(original_max_position_embeddings / (beta * 2 pi)): betas must be > 0.
@@ -94,6 +113,14 @@ class MoEConfig:
     renormalize: bool
     sparse_layers: tuple[bool, ...]
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-MoE's grouped router (mla_config.py); None: softmax, top-k, divided by their sum when `renormalize`.
+    routing: GroupedRouting | None = None
+    # GPT-OSS: router and expert biases, the clamped SwiGLU (swiglu_limit > 0: plugins/moe.py's expert_activation)
+    bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
+    # The checkpoint's expert weights are MXFP4 (model_defs/mxfp4.py), dequantized at build to the engine dtype
+    mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:
         for f in ("num_experts", "top_k", "intermediate_size"):
@@ -102,7 +129,14 @@ class MoEConfig:
                     "shared_expert_intermediate_size", minimum=0)
         if self.top_k > self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.top_k} exceeds the {self.num_experts} experts")
+        for f in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, f)
+            if value != 0:  # 0: plain SwiGLU
+                check_positive_finite(f"MoE config field {f}", value)
         object.__setattr__(self, "sparse_layers", tuple(bool(s) for s in self.sparse_layers))
+        object.__setattr__(self, "routing", as_config(GroupedRouting, self.routing, "moe.routing"))
+        if self.routing is not None:
+            self.routing.check_experts(self.num_experts, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -143,6 +177,18 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Per layer: whether rotary applies (SmolLM3's no_rope_layers: 0 = NoPE layer); () means every layer.
     layer_rope: tuple[bool, ...] = ()
+    # Gemma 2's tanh soft-capping (0 = off): attention scores s -> cap * tanh(s / cap) before the mask and
+    # softmax, and likewise the final logits.
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # The rope of the sliding-window layers where it differs from `rope` (Gemma 3's local layers:
+    # rope_local_base_freq, unscaled); None: every layer rotates by `rope`.
+    sliding_rope: RopeConfig | None = None
+    # DeepSeek's multi-head latent attention (mla_config.py): head_dim is then the rope part
+    # (qk_rope_head_dim) and the KV cache holds one latent per token and layer; None: ordinary attention.
+    mla: MLAConfig | None = None
+    # GPT-OSS: a learned logit per query head (`self_attn.sinks`) joins the softmax's denominator
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         # Bounds first (config_limits.py): nothing below, nor the network, is sized by an absurd count.
@@ -161,6 +207,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        check_rope_dims(self.rope, self.head_dim)
+        object.__setattr__(self, "mla", as_config(MLAConfig, self.mla, "mla"))
         if not self.layer_sliding_windows:
             object.__setattr__(self, "layer_sliding_windows", (0,) * self.num_layers)
         if len(self.layer_sliding_windows) != self.num_layers:
@@ -180,6 +228,10 @@ class ModelConfig:
             check_positive_finite(f, getattr(self, f))
         if self.attention_multiplier is not None:
             check_positive_finite("attention_multiplier", self.attention_multiplier)
+        for f in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, f)
+            if value != 0:  # 0: off
+                check_positive_finite(f, value)
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ModelConfigError(f"qk_norm_scope={self.qk_norm_scope!r}; kiln has {', '.join(QK_NORM_SCOPES)}")
         if self.hidden_act not in ("silu", *GELU_ACTS):
@@ -205,6 +257,8 @@ class ModelConfig:
             raise ModelConfigError(f"unknown model_config fields {sorted(unknown)}")
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
+        if d.get("sliding_rope") is not None:
+            d["sliding_rope"] = RopeConfig(**d["sliding_rope"])
         d["layer_sliding_windows"] = tuple(d.get("layer_sliding_windows", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_rope"] = tuple(d.get("layer_rope", ()))
@@ -241,6 +295,8 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         raise ModelConfigError("partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "longrope":
+        return RopeConfig(**longrope_fields(params, raw, theta))
     if "factor" not in params:
         raise ModelConfigError(f"rope scaling {rope_type!r} needs a 'factor'")
     # transformers gives a top-level original_max_position_embeddings (Phi-3's layout) priority over the rope

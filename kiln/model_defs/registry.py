@@ -29,9 +29,13 @@ class ModelDef:
     mlp: MLPFactory = GatedMLP
     # (config, engine tensor names) -> how each engine tensor is made from checkpoint tensors.
     recipes: Callable[[ModelConfig, Iterable[str]], dict[str, Recipe]] = fused_recipes
+    # Why the family does not run on CUDA yet (a build or load for a GPU is refused with it); None: it does.
+    cuda_refusal: str | None = None
 
 
 _REGISTRY: dict[str, ModelDef] = {}
+# Architectures kiln knows and refuses with a reason (a multimodal checkpoint whose text model it does run).
+_REFUSED: dict[str, str] = {}
 
 
 def register(model_def: ModelDef) -> None:
@@ -40,11 +44,18 @@ def register(model_def: ModelDef) -> None:
     _REGISTRY[model_def.architecture] = model_def
 
 
+def refuse(architecture: str, reason: str) -> None:
+    """Makes get_model_def refuse `architecture` with `reason` instead of the bare list of supported ones."""
+    _REFUSED[architecture] = reason
+
+
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
 def get_model_def(architecture: str) -> ModelDef:
+    if architecture in _REFUSED:
+        raise ModelConfigError(f"architecture {architecture!r} is not supported: {_REFUSED[architecture]}")
     try:
         return _REGISTRY[architecture]
     except KeyError:

@@ -6,6 +6,7 @@ from .attention import paged_attention
 from .fp8_block_linear import fp8_block_linear
 from .kv_cache import write_kv_cache
 from .lora import lora_add
+from .mla_attention import mla_attention
 from .moe import fused_moe
 from .norm import fused_add_rms_norm, rms_norm
 from .norm_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
@@ -17,4 +18,4 @@ from .weight_only_parts import weight_only_linear_parts
 __all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
            "rotary_embedding_and_write_kv", "scaled_linear", "silu_and_mul", "weight_only_linear",
            "write_kv_cache", "fp8_block_linear", "fused_moe", "fused_add_rms_norm_quant", "rms_norm_quant",
-           "silu_and_mul_quant", "scaled_linear_quantized", "weight_only_linear_parts", "lora_add"]
+           "silu_and_mul_quant", "scaled_linear_quantized", "weight_only_linear_parts", "lora_add", "mla_attention"]

@@ -4,7 +4,8 @@ Sequence s owns the query tokens q[query_start_loc[s]:query_start_loc[s+1]]; the
 n_s = query_start_loc[s+1] - query_start_loc[s] tokens, so query i sits at position
 seq_lens[s] - n_s + i and attends causally to the seq_lens[s] keys of the sequence (its cached prefix
 and this step's tokens, already written to the cache), through block_tables[s]. A decode token is
-simply a chunk of length 1. GQA: query head h reads kv head h // (Hq // Hk).
+simply a chunk of length 1. GQA: query head h reads kv head h // (Hq // Hk). softcap > 0 caps each score
+as softcap * tanh(score / softcap) before the mask and the softmax (Gemma 2's attn_logit_softcapping).
 
 On CUDA (when `USE_TRITON`) the op runs the Triton kernels of triton_attention.py: a unified kernel
 for mixed batches, and a split-K decode path when T == S. Both take their launch shapes from tensor
@@ -16,6 +17,8 @@ kernels fold them out of the dots: see triton_attention.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +48,12 @@ def paged_attention_reference(
     sliding_window: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), plan, scale, sliding_window)
+    return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), plan, scale, sliding_window, softcap,
+                              sinks)
 
 
 # A cache and its dequantization scale ([1] float32), None for a float cache.
@@ -72,39 +78,67 @@ def _read(cache: ScaledCache, reads: torch.Tensor | slice, sequences: int) -> to
 
 
 def _planned_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, plan: PagedAttentionPlan,
-                       scale: float, sliding_window: int) -> torch.Tensor:
+                       scale: float, sliding_window: int, softcap: float = 0.0,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     # Math in float32, as torch's scaled_dot_product_attention (what transformers runs on the CPU) does it.
     if plan.decode_only:  # T == S: the decode rows are the output
-        return _decode_attention(q, k_cache, v_cache, plan.decode, scale, sliding_window)
+        return _decode_attention(q, k_cache, v_cache, plan.decode, scale, sliding_window, softcap, sinks)
     out = q.new_empty(q.shape)
     if plan.decode is not None:
         out[plan.decode_rows] = _decode_attention(q[plan.decode_rows], k_cache, v_cache, plan.decode, scale,
-                                                  sliding_window)
+                                                  sliding_window, softcap, sinks)
     for rows, group in plan.chunks:
-        out[rows] = _chunk_attention(q[rows], k_cache, v_cache, group, scale, sliding_window)
+        out[rows] = _chunk_attention(q[rows], k_cache, v_cache, group, scale, sliding_window, softcap, sinks)
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
-    # q: [B, Hq, n, D]; k, v: [B, Hk, L, D], all float32; mask: [B, 1, n, L] additive float32, None for all keys
-    # -> [B, Hq, n, D]: softmax((q . k) * scale + mask) @ v; GQA without copying k and v.
+            scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [B, Hq, n, D]; k, v: [B, Hk, L, D], all float32; mask: [B, 1, n, L] additive float32, None for all keys;
+    # sinks: float32 broadcastable to [B, Hq, n, 1], None for none
+    # -> [B, Hq, n, D]: softmax(capped((q . k) * scale) + mask) @ v; GQA without copying k and v.
+    if softcap > 0 or sinks is not None:
+        return _attend_softcapped(q, k, v, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _attend_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # Gemma 2's logit soft-capping, in transformers' order (its eager attention; SDPA has no such option):
+    # scores = softcap * tanh(scores / softcap) before the mask and the softmax (softcap 0: none). GPT-OSS's
+    # attention sinks likewise: each head's sink joins the softmax as one more score of no value (transformers
+    # concatenates it as a last column and drops that column's probability). Shapes as _attend.
+    batch, heads, n, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * n, dim)  # a KV head's query heads share its keys
+    scores = (grouped @ k.transpose(-1, -2) * scale).view(batch, heads, n, -1)  # [B, Hq, n, L]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        probs = torch.cat([scores, sinks.expand(batch, heads, n, 1)], dim=-1).softmax(-1)[..., :-1]
+    probs = probs.reshape(batch, kv_heads, heads // kv_heads * n, -1)
+    return (probs @ v).view(batch, heads, n, dim)
+
+
 def _chunk_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, group: KeyGroup,
-                     scale: float, sliding_window: int) -> torch.Tensor:
+                     scale: float, sliding_window: int, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's n query tokens (its last n positions) over its keys: q: [n, Hq, D] -> same."""
     reads, mask = group.keys(sliding_window, k_cache[0].shape[2])
     k = _read(k_cache, reads, 1)  # [1, Hk, L, D]
     v = _read(v_cache, reads, 1)
-    out = _attend(q.float().transpose(0, 1)[None], k, v, mask, scale)  # [1, Hq, n, D]
+    head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)  # [1, Hq, 1, 1]
+    out = _attend(q.float().transpose(0, 1)[None], k, v, mask, scale, softcap, head_sinks)  # [1, Hq, n, D]
     return out[0].transpose(0, 1).to(q.dtype)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, group: KeyGroup, scale: float,
-                      sliding_window: int) -> torch.Tensor:
+                      sliding_window: int, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """B sequences of one query token each, keys padded to the longest: q: [B, Hq, D] -> [B, Hq, D],
     contiguous. A sequence of seq_len 0 (a padding row) gives zeros."""
     if group.longest == 0:
@@ -118,14 +152,15 @@ def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCach
     # ([B, Hk, G, D], heads h -> h // G as GQA maps them), so the keys and values are read once, where
     # enable_gqa would expand them G times (half the CPU time of a decode batch's attention).
     grouped = q.float().view(batch, kv_heads, heads // kv_heads, dim)  # [B, Hk, G, D]
-    out = _attend(grouped, k, v, mask, scale).reshape(batch, heads, dim)
+    head_sinks = None if sinks is None else sinks.view(1, kv_heads, heads // kv_heads, 1)  # as grouped's heads
+    out = _attend(grouped, k, v, mask, scale, softcap, head_sinks).reshape(batch, heads, dim)
     if min(group.lens) == 0:  # a row with no key to attend to is NaN after the softmax
         out = out.nan_to_num_(0.0)
     return out.to(q.dtype).contiguous()  # [B, Hq, D]
 
 
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                          k_scale=None, v_scale=None):
+                          k_scale=None, v_scale=None, softcap=0.0, sinks=None):
     return q.new_empty(q.shape)
 
 
@@ -140,6 +175,8 @@ PAGED_ATTENTION = OpSpec("kiln::paged_attention", """
     SymInt sliding_window     > 0: a query sees its last sliding_window keys; 0: all
     Tensor? k_scale=None      [1] float32 for a quantized cache: keys are k_cache.float() * k_scale
     Tensor? v_scale=None      [1] float32, likewise for values
+    float softcap=0.0         > 0: scores (q . k * scale) become softcap * tanh(scores / softcap); 0: off
+    Tensor? sinks=None        [Hq] float32, contiguous: each head's sink logit joins its softmax (GPT-OSS)
     -> Tensor                 [T, Hq, D] q's dtype, contiguous
     """, reference=paged_attention_reference, fake=_paged_attention_fake,
     kernel="triton_attention.paged_attention_triton")
@@ -157,12 +194,17 @@ def paged_attention(
     sliding_window: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     *,
     plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q: [T, Hq, D] over the paged cache; returns [T, Hq, D].
 
-    sliding_window > 0 limits each query to the last `sliding_window` keys (itself included).
+    sliding_window > 0 limits each query to the last `sliding_window` keys (itself included). softcap > 0 caps
+    each score s = (q . k) * scale as softcap * tanh(s / softcap) before the mask and the softmax (Gemma 2).
+    sinks ([Hq] float32, GPT-OSS's attention sinks): head h's softmax has exp(sinks[h]) added to its denominator,
+    as one more key of logit sinks[h] whose value is zero; a row with no key then gives zeros.
     A float8_e4m3fn or int8 cache needs k_scale, v_scale ([1] float32 on its device): keys are read as
     k_cache.float() * k_scale, values likewise; a float cache takes no scales.
     q may be a strided view (e.g. a slice of the fused qkv output) but its last dim must be contiguous;
@@ -200,10 +242,20 @@ def paged_attention(
                       query_start_loc=query_start_loc)
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0 = off), got {sliding_window}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
     check_kv_scales(k_cache, k_scale, v_scale)
+    if sinks is not None:
+        check_dims("sinks", sinks, 1)
+        check_dtype("sinks", sinks, (torch.float32,))
+        check_size("sinks", sinks, 0, q.shape[1], "query heads of q")
+        if not sinks.is_contiguous():
+            raise ValueError(f"sinks must be contiguous, got strides {sinks.stride()}")
+        check_same_device(q=q, sinks=sinks)
     if not runs_reference_directly(q):
         return _paged_attention.for_tensor(q)(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                              float(scale), int(sliding_window), k_scale, v_scale)
+                                              float(scale), int(sliding_window), k_scale, v_scale, float(softcap),
+                                              sinks)
     if plan is None:
         attention = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     elif plan.attention.describes(block_tables, seq_lens, query_start_loc, k_cache.shape[1]):
@@ -212,4 +264,4 @@ def paged_attention(
         raise ValueError("plan was made for other block_tables, seq_lens, query_start_loc or block size")
     check_size("q", q, 0, attention.num_tokens, "query tokens in query_start_loc")
     return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), attention, float(scale),
-                              int(sliding_window))
+                              int(sliding_window), float(softcap), sinks)

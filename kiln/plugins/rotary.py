@@ -1,7 +1,9 @@
 """Rotary position embedding (GPT-NeoX / Hugging Face "rotate_half" layout) applied to q and k.
 
-The caller supplies cos/sin per token, so every scaling scheme (linear, dynamic NTK, llama3) is just a
-different table: the operator never needs to know which one produced it.
+The caller supplies cos/sin per token, so every scaling scheme (linear, dynamic NTK, llama3, yarn, longrope) is
+just a different table: the operator never needs to know which one produced it. A table narrower than half
+the head ([T, R/2] with R < D: partial rotary, Phi-4-mini) rotates the first R dimensions of each head
+(rotate_half within them) and passes the other D - R through, as transformers' apply_rotary_pos_emb does.
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ def rotary_embedding_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Hugging Face casts the float32 table to the activation dtype before rotating; so do we.
-    cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]  # [T, 1, 1, D/2]
+    cos_q, sin_q = cos[:, None, None, :], sin[:, None, None, :]  # [T, 1, 1, R/2]
     if q.dtype != cos.dtype:
         cos_q, sin_q = cos_q.to(q.dtype), sin_q.to(q.dtype)
-    return _rotate(q, cos_q, sin_q), _rotate(k, cos_q, sin_q)
+    rot = 2 * cos.shape[-1]  # R
+    if rot == q.shape[-1]:
+        return _rotate(q, cos_q, sin_q), _rotate(k, cos_q, sin_q)
+    # partial rotary: [rotated first R dims, the rest as is]
+    return tuple(torch.cat([_rotate(x[..., :rot], cos_q, sin_q), x[..., rot:]], dim=-1) for x in (q, k))
 
 
 def _rotary_fake(q, k, cos, sin):
@@ -49,8 +55,8 @@ ROTARY_QK = """
     Tensor k     [T, Hk, D] q's dtype, last dim contiguous
 """
 ROTARY_ANGLES = """
-    Tensor cos   [T, D/2] float32, each token's angles
-    Tensor sin   [T, D/2] float32
+    Tensor cos   [T, R/2] float32, each token's angles; R <= D even, the rotated dims (R < D: partial rotary)
+    Tensor sin   [T, R/2] float32
 """
 
 ROTARY_EMBEDDING = OpSpec("kiln::rotary_embedding", ROTARY_QK + ROTARY_ANGLES + """
@@ -74,8 +80,10 @@ def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"q and k need the same even head dim, got {head_dim} and {k.shape[-1]}")
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
         check_size(name, t, 0, q.shape[0], "tokens in q")
-    check_size("cos", cos, 1, head_dim // 2, "half the head dim")
-    check_size("sin", sin, 1, head_dim // 2, "half the head dim")
+    if not 0 < cos.shape[1] <= head_dim // 2:  # partial rotary: fewer angles than half the head
+        raise ValueError(f"cos has {cos.shape[1]} angles per token; it needs 1 to half the head dim "
+                         f"({head_dim // 2})")
+    check_size("sin", sin, 1, cos.shape[1], "cos's angles")
     check_same_device(q=q, k=k, cos=cos, sin=sin)
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("k", k)
@@ -84,6 +92,7 @@ def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, D/2] (float32)."""
+    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by the per-token angles cos, sin: [T, R/2] (float32): the first
+    R dims of each head (all D, or fewer: partial rotary)."""
     check_rotary_args(q, k, cos, sin)
     return _rotary.for_tensor(q)(q, k, cos, sin)

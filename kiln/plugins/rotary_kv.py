@@ -56,7 +56,8 @@ def rotary_embedding_and_write_kv(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     *, plan: StepPlan | None = None,
 ) -> torch.Tensor:
-    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by cos, sin: [T, D/2] (float32), writes the rotated k and
+    """Rotates q: [T, Hq, D] and k: [T, Hk, D] by cos, sin: [T, R/2] (float32; R < D rotates the first R dims
+    of each head only: partial rotary), writes the rotated k and
     v: [T, Hk, D] into k_cache, v_cache: [N, block_size, Hk, D] at slot_mapping: [T] int64 (-1 skips a
     token), and returns the rotated q: [T, Hq, D]. A float8_e4m3fn or int8 cache needs k_scale, v_scale
     ([1] float32 on its device) and stores k / k_scale, v / v_scale; a float cache takes no scales.

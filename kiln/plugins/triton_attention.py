@@ -8,7 +8,8 @@ Two paths, picked from shapes only so that a captured CUDA graph replays the sam
   cover one contiguous part of the keys and, when there is more than one split, write an fp32 partial
   output and its log-sum-exp, which a second kernel merges.
 Keys are gathered through the block table one position at a time, so BLOCK_N does not depend on the
-cache block size. Scores use exp2 with scale * log2(e) folded into one multiply.
+cache block size. Scores use exp2 with scale * log2(e) folded into one multiply; soft-capping (Gemma 2,
+SOFTCAP) caps them in those log2 units, the cap scaled by log2(e) likewise, before the masks.
 
 A quantized cache (KV_QUANT: float8_e4m3fn or int8) holds k / k_scale and v / v_scale. Its tiles are
 converted to q's dtype, exactly (every float8_e4m3fn value and every int8 is a float16 and a bfloat16 number),
@@ -39,13 +40,15 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_end, q_pos, window, qk_scale,
-                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 softcap, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
-                 USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
+                 USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N). MASK_KEYS drops keys >= key_end (never
     read); CAUSAL drops, per row, keys after q_pos and (USE_WINDOW) keys <= q_pos - window. Tiles known
     to be fully visible skip both. KV_QUANT: the cache holds unscaled float8 / int8 values (qk_scale has
-    k_scale in it; the caller multiplies the output by v_scale)."""
+    k_scale in it; the caller multiplies the output by v_scale). SOFTCAP: scores are capped before the masks,
+    `softcap` being the cap times log2(e) (see _cap)."""
     # q: [BLOCK_M, BLOCK_D]; acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i, q_pos: [BLOCK_M]
     k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)
@@ -63,6 +66,8 @@ def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_
     if KV_QUANT:
         k = k.to(tl.float32).to(q.dtype)  # exact: see the module docstring
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        scores = _cap(scores, softcap)
     if CAUSAL:
         visible = k_pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
@@ -82,6 +87,23 @@ def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_
 
 
 @triton.jit
+def _cap(scores, softcap):
+    # Scores here are log2(e) * s for the true score s, so cap * tanh(s / cap) * log2(e) is
+    # softcap * tanh(scores / softcap) with softcap = cap * log2(e). tanh(x) = 1 - 2 / (exp(2x) + 1) in float32:
+    # exact at +-inf (exp overflows to inf, or to 0), and no libdevice call (the interpreter runs it too).
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
+
+@triton.jit
+def _sink_start(sinks_ptr, head, use):
+    # GPT-OSS's attention sinks: the online softmax of rows `use` starts as if it had seen one key of score
+    # sinks[head] (in log2 units, as the scores) and value 0: l = 1, m = the sink; other rows start empty.
+    # A row with no real key then ends with acc = 0: zeros, as the reference gives.
+    sink = tl.load(sinks_ptr + head, mask=use, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+    return tl.where(use, 1.0, 0.0), tl.where(use, sink, _M_INIT)
+
+
+@triton.jit
 def _sequence_of_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     # Sequence s owns tiles [query_start_loc[s] // BLOCK_Q + s, the same for s + 1): at least the
     # ceil(n_s / BLOCK_Q) it needs whatever its start's alignment, and found without a host sync.
@@ -97,12 +119,14 @@ def _sequence_of_tile(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr
 
 @triton.jit(do_not_specialize=["window", "num_seqs", "num_tiles"])
 def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                    k_scale_ptr, v_scale_ptr, qk_scale, window, num_seqs, num_tiles, stride_q_tok, stride_q_head,
+                    k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap, window, num_seqs, num_tiles,
+                    stride_q_tok, stride_q_head,
                     stride_o_tok, stride_o_head, stride_table,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    SINKS: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
     tile = num_tiles - 1 - pid // NUM_KV_HEADS  # last tiles (the most keys) start first
@@ -147,19 +171,21 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    if SINKS:  # the sink is one more score of no value: the softmax starts from it (see _sink_start)
+        l_i, m_i = _sink_start(sinks_ptr, head, head >= 0)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
     for step in range(0, full_start):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
-                                     key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT)
+                                     key_hi, q_pos, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP)
     for step in range(full_start, full_end):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
-                                     key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, False, False, USE_WINDOW, DOT_PRECISION, KV_QUANT)
+                                     key_hi, q_pos, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, BLOCK_D, False, False, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP)
     for step in range(full_end, num_steps):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
-                                     key_hi, q_pos, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT)
+                                     key_hi, q_pos, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no key (seq_len 0 padding) give zeros
     if KV_QUANT:
         out = out * tl.load(v_scale_ptr)
@@ -169,12 +195,13 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
 
 @triton.jit(do_not_specialize=["window"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
-                   k_scale_ptr, v_scale_ptr, qk_scale, window, stride_q_tok, stride_q_head, stride_o_tok,
+                   k_scale_ptr, v_scale_ptr, sinks_ptr, qk_scale, softcap, window, stride_q_tok, stride_q_head,
+                   stride_o_tok,
                    stride_o_head, stride_table,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   KV_QUANT: tl.constexpr):
+                   KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)  # == its query token: one token per sequence
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -202,11 +229,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, blo
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    if SINKS:  # in split 0 only: the merge adds the splits' denominators, which must count the sink once
+        l_i, m_i = _sink_start(sinks_ptr, head, (offs_m < GROUP) & (offs_m * 0 + split == 0))
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
     for step in range(0, num_steps):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start + step * BLOCK_N,
-                                     end, seq_len - 1, window, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                     BLOCK_D, True, False, USE_WINDOW, DOT_PRECISION, KV_QUANT)
+                                     end, seq_len - 1, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, BLOCK_D, True, False, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_QUANT:
         out = out * tl.load(v_scale_ptr)  # the merge of split parts is linear: scaling each part is the same
@@ -301,10 +330,13 @@ def paged_attention_triton(
     sliding_window: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_reference` on the GPU; the decode path needs T == S with one token per sequence.
     q may be strided except in its last dim; k_cache, v_cache must be contiguous. A float8_e4m3fn or int8
-    cache comes with k_scale, v_scale ([1] float32 on the device), read by the kernels."""
+    cache comes with k_scale, v_scale ([1] float32 on the device), read by the kernels; sinks ([Hq] float32)
+    start each head's online softmax (_sink_start)."""
     # q: [T, Hq, D]; k_cache, v_cache: [N, block_size, Hk, D] -> out: [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -320,17 +352,20 @@ def paged_attention_triton(
     shared = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
                   USE_WINDOW=sliding_window > 0, DOT_PRECISION="tf32x3" if dot_dtype == torch.float32 else "tf32",
-                  KV_QUANT=quantized, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  KV_QUANT=quantized, SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     qk_scale = scale * LOG2E
+    softcap_log2 = softcap * LOG2E  # the cap in the kernels' log2 units (unused when 0)
     # A float cache's kernels never read the scale pointers (KV_QUANT is compile-time): q stands in.
     k_scale, v_scale = (k_scale, v_scale) if quantized else (q, q)
+    sinks_arg = q if sinks is None else sinks  # read only when SINKS
     if not decode:
         block_q = cfg.block_m // group
         num_tiles = num_tokens // block_q + num_seqs
         _unified_kernel[(num_tiles * num_kv_heads,)](
-            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, qk_scale,
-            sliding_window, num_seqs, num_tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            block_tables.stride(0), BLOCK_Q=block_q, **shared)
+            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, sinks_arg,
+            qk_scale, softcap_log2, sliding_window, num_seqs, num_tiles, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), block_tables.stride(0), BLOCK_Q=block_q, **shared)
         return out
     splits = cfg.num_splits
     part_out = torch.empty((num_seqs, num_heads, splits, head_dim) if splits > 1 else (0,),
@@ -338,9 +373,9 @@ def paged_attention_triton(
     part_lse = torch.empty((num_seqs, num_heads, splits) if splits > 1 else (0,), dtype=torch.float32,
                            device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, k_scale, v_scale, qk_scale,
-        sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        NUM_SPLITS=splits, **shared)
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, k_scale, v_scale, sinks_arg,
+        qk_scale, softcap_log2, sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), NUM_SPLITS=splits, **shared)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,

@@ -13,6 +13,11 @@ here too: the GEMM outputs, silu, the product with up, the down output and its p
 weight are each rounded to x's dtype, so what differs is only the order of the float32 sums (in the GEMMs,
 and the final k-way sum that the reference adds in x's dtype).
 
+GPT-OSS's experts (HAS_BIAS, CLAMPED) add their biases to the rounded GEMM outputs (gate/up before the
+activation, down before the routing weight), each sum rounded, and take the clamped SwiGLU
+(moe.expert_activation), computed in float32 from the rounded gate and up and rounded once (the reference
+rounds after each of its ops: a few units in the last place apart).
+
 Everything is sized by the number of tokens only, never by how they route: the grouping, the padding and the
 grid (an upper bound on the number of blocks; blocks past the end exit at once) are device ops with no host
 read, so an MoE step is captured in a CUDA graph like any other.
@@ -110,10 +115,11 @@ def _silu(g):
 # Token counts change every step: specializing on them would only add recompiles.
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr,
+    x_ptr, w_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr, b_ptr,
     num_slots, top_k, hidden, inter,
-    stride_x, stride_we, stride_wn, stride_h,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_x, stride_we, stride_wn, stride_h, stride_be, limit, alpha,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
 ):
     # x: [T, H]; w: [E, 2I, H] (gate rows, then up rows); h: [S, I]
     expert = tl.load(block_experts_ptr + tl.program_id(0))
@@ -143,17 +149,27 @@ def _gate_up_kernel(
         acc_up = tl.dot(a, w_up, acc_up)
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
-    h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
+    if HAS_BIAS:  # b: [E, 2I], gate then up columns
+        b_expert = b_ptr + expert.to(tl.int64) * stride_be
+        gate = (gate + tl.load(b_expert + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        b_up = tl.load(b_expert + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = (up + b_up).to(dtype).to(tl.float32)
+    if CLAMPED:  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = ((up + 1.0) * tl.math.div_rn(gate, 1.0 + _exp(-alpha * gate))).to(dtype)
+    else:
+        h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
     tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_h + cols[None, :], h,
              mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(
-    h_ptr, w_ptr, y_ptr, routing_ptr, sorted_slots_ptr, block_experts_ptr,
+    h_ptr, w_ptr, y_ptr, routing_ptr, sorted_slots_ptr, block_experts_ptr, b_ptr,
     num_slots, hidden, inter,
-    stride_h, stride_we, stride_wn, stride_y,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_h, stride_we, stride_wn, stride_y, stride_be,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # h: [S, I]; w: [E, H, I]; y: [S, H]; routing: [S] weights in x's dtype
     expert = tl.load(block_experts_ptr + tl.program_id(0))
@@ -176,7 +192,11 @@ def _down_kernel(
         w = tl.load(w_ptrs + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
         acc = tl.dot(a, w, acc)
     weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
-    y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    out = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:  # b: [E, H]
+        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out = (out + bias[None, :]).to(dtype).to(tl.float32)
+    y = (out * weight[:, None]).to(dtype)
     tl.store(y_ptr + slots64[:, None] * stride_y + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
@@ -190,9 +210,12 @@ def _launch_config(num_slots: int, num_experts: int) -> dict[str, int]:
 
 
 def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
-                     w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+                     w_down: torch.Tensor, top_k: int, renormalize: bool, b_gate_up: torch.Tensor | None = None,
+                     b_down: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+                     swiglu_alpha: float = 0.0) -> torch.Tensor:
     """kiln::fused_moe on CUDA. x: [T, H]; router_logits: [T, E]; w_gate_up: [E, 2I, H]; w_down: [E, H, I]
-    (both with a contiguous last dim) -> [T, H] in x's dtype."""
+    (both with a contiguous last dim); GPT-OSS's b_gate_up [E, 2I], b_down [E, H] and clamped SwiGLU
+    (swiglu_limit > 0) -> [T, H] in x's dtype."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
@@ -208,15 +231,19 @@ def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
     h = x.new_empty((num_slots, inter))  # [S, I]: every slot's row is written once
+    # Without biases the kernels never read their pointer (HAS_BIAS is compile-time): x stands in.
+    b_gate_up_arg, b_down_arg = (x if b is None else b for b in (b_gate_up, b_down))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w_gate_up, h, sorted_slots, block_experts,
+        x, w_gate_up, h, sorted_slots, block_experts, b_gate_up_arg,
         num_slots, top_k, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), b_gate_up_arg.stride(0),
+        float(swiglu_limit), float(swiglu_alpha),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_gate_up is not None,
+        CLAMPED=swiglu_limit > 0, **launch)
     y = x.new_empty((num_slots, hidden))  # [S, H]
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        h, w_down, y, weights.reshape(-1), sorted_slots, block_experts,
+        h, w_down, y, weights.reshape(-1), sorted_slots, block_experts, b_down_arg,
         num_slots, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), b_down_arg.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_down is not None, **launch)
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -2,7 +2,9 @@
 
 One kernel with two compile-time switches: ROTATE (rotate q and k) and WRITE_KV (store k and v into the
 paged cache; otherwise the rotated k goes to its own output). With both on, the decode path rotates and
-caches in one launch. Each program handles one token and a block of heads.
+caches in one launch. Each program handles one token and a block of heads. Under partial rotary (cos, sin
+[T, R/2] with R < D) the first R dims of each head rotate (pairs i, i + R/2) and the last REST = D - R pass
+through to q's output, k's and v's cache as they are.
 
 Rounding follows rotary.py: cos/sin are rounded to the activation dtype, each product and the sum are
 rounded to the dtype, so q and k match the reference bit for bit. The cache store casts to the cache dtype;
@@ -84,19 +86,24 @@ def _rotary_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h,
     stride_cos_t, stride_cos_d, stride_sin_t, stride_sin_d,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROTATE: tl.constexpr, WRITE_KV: tl.constexpr, QUANTIZED: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, WRITE_KV: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
+    # HALF: half the rotated dims (the head's half without partial rotary); REST: the dims after them (0
+    # without partial rotary), copied as they are.
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     lo = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF] dims of the first half; lo + HALF the second
     lo_mask = lo < HALF
-    kv_mask = (heads < num_kv_heads) & lo_mask
+    kv_heads = heads < num_kv_heads
+    kv_mask = kv_heads & lo_mask
     if WRITE_KV:
         slot = tl.load(slot_ptr + token)  # int64; -1 skips the token
         # A where, not `kv_mask & (slot >= 0)`: Triton's interpreter mistypes a scalar condition broadcast by &.
         kv_mask = tl.where(slot >= 0, kv_mask, False)
-        cache_offsets = (slot * num_kv_heads + heads) * (2 * HALF)  # [BLOCK_H, 1] in the contiguous caches
+        kv_heads = tl.where(slot >= 0, kv_heads, False)
+        # [BLOCK_H, 1] in the contiguous caches
+        cache_offsets = (slot * num_kv_heads + heads) * (2 * HALF + REST)
     k_in = k_ptr + token * stride_kt + heads * stride_kh
     k1 = tl.load(k_in + lo * stride_kd, mask=kv_mask)
     k2 = tl.load(k_in + (lo + HALF) * stride_kd, mask=kv_mask)
@@ -133,6 +140,22 @@ def _rotary_kv_kernel(
         k_out = k_out_ptr + token * stride_k_out_t + heads * stride_k_out_h
         tl.store(k_out + lo, k1, mask=kv_mask)
         tl.store(k_out + lo + HALF, k2, mask=kv_mask)
+    if REST > 0:  # partial rotary: the dims after the rotated ones, unchanged
+        rest = 2 * HALF + tl.arange(0, BLOCK_REST)[None, :]  # [1, BLOCK_REST]
+        rest_mask = rest < 2 * HALF + REST
+        kv_rest = kv_heads & rest_mask
+        k3 = tl.load(k_in + rest * stride_kd, mask=kv_rest)
+        if ROTATE:
+            q_rest = (heads < num_q_heads) & rest_mask
+            tl.store(q_out + rest, tl.load(q_in + rest, mask=q_rest), mask=q_rest)
+        if WRITE_KV:
+            v3 = tl.load(v_in + rest * stride_vd, mask=kv_rest)
+            tl.store(k_cache_ptr + cache_offsets + rest, _to_cache(k3, k_scale, k_cache_ptr, QUANTIZED),
+                     mask=kv_rest)
+            tl.store(v_cache_ptr + cache_offsets + rest, _to_cache(v3, v_scale, v_cache_ptr, QUANTIZED),
+                     mask=kv_rest)
+        else:
+            tl.store(k_out + rest, k3, mask=kv_rest)
 
 
 def _launch(k: Tensor, *, q: Tensor | None = None, q_out: Tensor | None = None, cos: Tensor | None = None,
@@ -142,19 +165,20 @@ def _launch(k: Tensor, *, q: Tensor | None = None, q_out: Tensor | None = None, 
             v_scale: Tensor | None = None) -> None:
     """Rotates when q is given; writes k, v to the caches when k_cache is given, else the rotated k to k_out.
 
-    q, q_out: [T, Hq, D]; k, v, k_out: [T, Hk, D]; cos, sin: [T, D/2]; caches: [N, block_size, Hk, D],
-    contiguous; slot_mapping: [T] int64; k_scale, v_scale: [1] float32 for a quantized cache, else None.
+    q, q_out: [T, Hq, D]; k, v, k_out: [T, Hk, D]; cos, sin: [T, R/2] (R < D: partial rotary); caches:
+    [N, block_size, Hk, D], contiguous; slot_mapping: [T] int64; k_scale, v_scale: [1] float32 for a quantized cache, else None.
     """
     rotate, write_kv, quantized = q is not None, k_cache is not None, k_scale is not None
     tokens, num_kv_heads, head_dim = k.shape
     num_q_heads = q.shape[1] if rotate else 0
     if tokens == 0:
         return
+    half = cos.shape[1] if rotate else head_dim // 2  # half the rotated dims (write only: half the head)
+    rest = head_dim - 2 * half
     # The tensors a mode does not use are never dereferenced (the switches are compile-time): k stands in.
     q, q_out, cos, sin, k_out, v, k_cache, v_cache, slot_mapping, k_scale, v_scale = (
         t if t is not None else k
         for t in (q, q_out, cos, sin, k_out, v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
-    half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     max_heads = max(num_q_heads, num_kv_heads)
     block_h = min(triton.next_power_of_2(max_heads), max(1, _ELEMENTS_PER_PROGRAM // block_half))
@@ -165,7 +189,8 @@ def _launch(k: Tensor, *, q: Tensor | None = None, q_out: Tensor | None = None, 
         q.stride(0), q.stride(1), *k.stride(), *v.stride(),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, ROTATE=rotate, WRITE_KV=write_kv,
+        HALF=half, BLOCK_HALF=block_half, REST=rest, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
+        BLOCK_H=block_h, ROTATE=rotate, WRITE_KV=write_kv,
         QUANTIZED=quantized, num_warps=4,
         # In float32 a fused multiply-add would skip the product's rounding that the reference does.
         enable_fp_fusion=False,

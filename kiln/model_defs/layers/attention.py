@@ -1,7 +1,9 @@
-"""Self-attention with fused QKV, optional q/k RMSNorm per head (Qwen3) or over the whole projection (OLMo 2),
-rotary, paged KV cache."""
+"""Self-attention with fused QKV, optional q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection
+(OLMo 2), rotary, paged KV cache, optional score soft-capping (Gemma 2), optional attention sinks (GPT-OSS)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,12 +19,14 @@ from .parallel import FeatureShard
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str,
+                 norm: Callable[[int, float, torch.dtype], nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.head_dim = config.head_dim
-        # Granite's attention_multiplier replaces 1/sqrt(head_dim) as the score scale.
+        # Granite's attention_multiplier (Gemma's query_pre_attn_scalar ** -0.5) replaces 1/sqrt(head_dim).
         self.scale = config.attention_multiplier or config.head_dim ** -0.5
+        self.softcap = config.attn_logit_softcapping  # Gemma 2; 0: off
         self.sliding_window = config.layer_sliding_windows[layer_index]
         # [q; k; v] rows of this rank's heads (all of them without tensor parallelism)
         self.qkv_proj = linears.attention_qkv(f"{prefix}.qkv_proj", config.hidden_size, config.num_heads,
@@ -32,6 +36,12 @@ class Attention(nn.Module):
         self.num_kv_heads = self.split_sizes[1] // config.head_dim
         self.o_proj = linears.row(f"{prefix}.o_proj", config.num_heads * config.head_dim, config.hidden_size,
                                   config.o_bias)
+        self.sinks = self.shard = None
+        if config.attention_sinks:  # GPT-OSS: one logit per query head, float32 as the op reads it: [local Hq]
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            if self.qkv_proj.shard is not None:  # this rank's query heads: how the builder cuts `sinks`
+                start = self.qkv_proj.shard.slices[0][0] // config.head_dim
+                self.shard = FeatureShard("output", (config.num_heads,), ((start, self.num_heads),))
         self.norm_projection = config.qk_norm and config.qk_norm_scope == "projection"
         if self.norm_projection:  # over this rank's q (k) rows, its share of the whole projection's norm
             shard = self.qkv_proj.shard  # None: one rank, which holds the whole projections
@@ -40,9 +50,9 @@ class Attention(nn.Module):
                 ProjectionRMSNorm(sizes[i], config.rms_norm_eps, linears.dtype,
                                   None if shard is None else FeatureShard("output", (sizes[i],), (shard.slices[i],)),
                                   linears.comm) for i in (0, 1))
-        elif config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, linears.dtype)
+        elif config.qk_norm:  # per head, as the layer's norm (`norm`: Gemma 3's (1 + weight) RMSNorm)
+            self.q_norm = norm(config.head_dim, config.rms_norm_eps, linears.dtype)
+            self.k_norm = norm(config.head_dim, config.rms_norm_eps, linears.dtype)
         else:
             self.q_norm = self.k_norm = None
 
@@ -66,5 +76,6 @@ class Attention(nn.Module):
         q = rotary_embedding_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping,
                                           k_scale, v_scale, plan=plan)  # k, v cached
         out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              self.scale, self.sliding_window, k_scale, v_scale, plan=plan)  # [T, Hq, D]
+                              self.scale, self.sliding_window, k_scale, v_scale, self.softcap, self.sinks,
+                              plan=plan)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, -1))

@@ -5,7 +5,7 @@ The model runner builds it from the scheduler's plain data; every tensor lives o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -17,7 +17,8 @@ from kiln.plugins.step_plan import StepPlan, step_plan
 class ForwardContext:
     positions: torch.Tensor  # [T] int64: position of each packed token in its sequence
     # [T] int64: the sequence length dynamic-NTK rope scales for, max(position + 1, prompt length),
-    # which is what Hugging Face uses when it generates one sequence; other rope types ignore it.
+    # which is what Hugging Face uses when it generates one sequence; longrope takes its long factors past
+    # original_max_position_embeddings; other rope types ignore it.
     rope_lengths: torch.Tensor
     slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset) of each token
     block_tables: torch.Tensor  # [S, max_blocks] int32: cache blocks of each sequence
@@ -30,6 +31,11 @@ class ForwardContext:
     # Per layer (k_scale, v_scale): [1] float32 each, on the device, for a quantized (fp8 / int8) KV cache,
     # which stores k / k_scale and v / v_scale; None for a float cache.
     kv_scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    # EAGLE-3 (runtime/speculative/eagle3.py): the layers whose input residual stream the step keeps (index i: what
+    # enters layer i, the output of layer i - 1; num_layers: the last layer's output, before the final norm),
+    # and where the decoder keeps it: layer index -> [T, H]. Empty: nothing is kept.
+    capture_layers: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @cached_property
     def plan(self) -> StepPlan | None:

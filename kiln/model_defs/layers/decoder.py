@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, dtype = config.rms_norm_eps, linears.dtype
         self.input_layernorm = norm(config.hidden_size, eps, dtype)
-        self.self_attn = Attention(config, layer_index, linears, f"{prefix}.self_attn")
+        self.self_attn = Attention(config, layer_index, linears, f"{prefix}.self_attn", norm)
         self.post_attention_layernorm = norm(config.hidden_size, eps, dtype)
         self.mlp = mlp(config, layer_index, linears, f"{prefix}.mlp")
         # An FP8 qkv/gate_up projection gets its input quantized by the norm kernel (fp8_input.py); an MoE block
@@ -86,32 +86,49 @@ class DecoderForCausalLM(nn.Module):
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = linears.lm_head("lm_head", config.hidden_size, config.vocab_size, tied_to)
         self.rotary: RotaryTables | None = None
+        self.sliding_rotary: RotaryTables | None = None  # config.sliding_rope's tables (Gemma 3's local layers)
+        # Granite's multiplier; a family may round it (Gemma: sqrt(hidden) in the embedding's dtype).
+        self.embedding_multiplier = config.embedding_multiplier
 
     def setup_rotary(self, max_positions: int, device: torch.device | str) -> None:
         """Builds the rotary tables on the runtime device; call once after loading weights."""
         c = self.config
         self.rotary = RotaryTables(c.rope, c.head_dim, c.max_position_embeddings, max_positions, device)
+        if c.sliding_rope is not None:
+            self.sliding_rotary = RotaryTables(c.sliding_rope, c.head_dim, c.max_position_embeddings, max_positions,
+                                               device)
 
     def needs_per_length_rope(self, max_rope_length: int) -> bool:
         """Whether a step whose longest rope length is this needs per-length rope tables (dynamic NTK past
         the trained context), which CUDA graphs cannot capture. False before setup_rotary."""
-        return self.rotary is not None and self.rotary.needs_per_length_tables(max_rope_length)
+        return any(t is not None and t.needs_per_length_tables(max_rope_length)
+                   for t in (self.rotary, self.sliding_rotary))
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.rotary is None:
             raise RuntimeError("call setup_rotary() before the first forward")
-        cos, sin = self.rotary.lookup(ctx.positions, ctx.rope_lengths, ctx.max_rope_length)  # [T, D/2] each
+        angles = self.rotary.lookup(ctx.positions, ctx.rope_lengths, ctx.max_rope_length)  # cos, sin: [T, D/2]
+        sliding = angles if self.sliding_rotary is None else \
+            self.sliding_rotary.lookup(ctx.positions, ctx.rope_lengths, ctx.max_rope_length)
         x = self.model.embed_tokens(input_ids)  # [T, H]
-        if self.config.embedding_multiplier != 1.0:  # Granite
-            x = x * self.config.embedding_multiplier
+        if self.embedding_multiplier != 1.0:  # Granite, Gemma
+            x = x * self.embedding_multiplier
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, ctx, cos, sin)
+        for i, (layer, window) in enumerate(zip(self.model.layers, self.config.layer_sliding_windows)):
+            if i in ctx.capture_layers:  # EAGLE-3's features: the residual stream entering layer i
+                ctx.captured[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, ctx, *(sliding if window else angles))
+        if len(self.model.layers) in ctx.capture_layers:
+            ctx.captured[len(self.model.layers)] = x + residual
         x, _ = self.model.norm.add_and_norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits: [N, V] float32."""
         logits = self.lm_head(hidden).float()
-        # Granite divides its logits by logits_scaling.
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        # Granite divides its logits by logits_scaling; Gemma 2 caps them.
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        if cap := self.config.final_logit_softcapping:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,4 +1,5 @@
-"""The SwiGLU MLP with gate and up projections fused into one GEMM, and the plain GELU MLP (Starcoder2)."""
+"""The SwiGLU MLP with gate and up projections fused into one GEMM, its GELU twin GeGLU (Gemma), and the plain
+GELU MLP (Starcoder2)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,26 @@ class GatedMLP(SwiGLU):
 
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
         super().__init__(config.hidden_size, config.intermediate_size, config.mlp_bias, linears, prefix)
+
+
+class GeGLU(nn.Module):
+    """down_proj(gelu(gate) * up) with [gate; up] = gate_up_proj(x) (Gemma), GELU exact or tanh-approximate as
+    config.hidden_act says. torch's GELU: an FP8 down_proj quantizes its input itself."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
+        super().__init__()
+        if config.hidden_act not in GELU_ACTS:
+            raise ModelConfigError(f"hidden_act={config.hidden_act!r}: this MLP takes {', '.join(GELU_ACTS)}")
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+        inter = config.intermediate_size
+        self.gate_up_proj = linears.column(f"{prefix}.gate_up_proj", config.hidden_size, (inter, inter),
+                                           config.mlp_bias)  # [gate; up], this rank's share of each
+        self.down_proj = linears.row(f"{prefix}.down_proj", inter, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
 
 
 class GeluMLP(nn.Module):

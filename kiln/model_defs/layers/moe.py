@@ -5,6 +5,7 @@ Engine tensors of a sparse layer (whatever the checkpoint calls them; the model 
     {prefix}.experts.gate_up.weight        [E, 2I, H]  each expert's [gate; up] rows
     {prefix}.experts.down.weight           [E, H, I]
     {prefix}.shared_expert.*, {prefix}.shared_expert_gate.weight   (Qwen2-MoE's shared expert)
+    {prefix}.gate.bias [E], {prefix}.experts.gate_up.bias [E, 2I], {prefix}.experts.down.bias [E, H]   (GPT-OSS)
 
 Tensor parallelism splits every expert's intermediate dimension: each rank holds rows [r*I/tp, (r+1)*I/tp) of
 each expert's gate and up and the same columns of its down projection (recorded as FeatureShards, which the
@@ -27,12 +28,17 @@ from .parallel import FeatureShard, even_shard, require_comm
 
 class ExpertWeight(nn.Module):
     """One stacked expert tensor, `weight` [E, out, in] (this rank's share), with the FeatureShard the builder
-    cuts the whole tensor by."""
+    cuts the whole tensor by, and where the experts have biases (GPT-OSS) `bias` [E, out]. A down projection's
+    bias is marked `parallel = "row"`: the ranks' partial outputs are summed, so the builder stores it on
+    rank 0 and zeros elsewhere, as for a row-parallel linear."""
 
-    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, shard: FeatureShard | None) -> None:
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, shard: FeatureShard | None,
+                 bias: bool = False, row: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(shape[:2], dtype=dtype), requires_grad=False) if bias else None
         self.shard = shard
+        self.parallel = "row" if row else None
 
 
 class FusedExperts(nn.Module):
@@ -48,8 +54,8 @@ class FusedExperts(nn.Module):
             gate_up_shard = even_shard("output", (inter, inter), linears.mapping, f"{prefix}.gate_up")
             down_shard = even_shard("input", (inter,), linears.mapping, f"{prefix}.down")
             local = down_shard.local_sizes[0]
-        self.gate_up = ExpertWeight((experts, 2 * local, hidden), linears.dtype, gate_up_shard)
-        self.down = ExpertWeight((experts, hidden, local), linears.dtype, down_shard)
+        self.gate_up = ExpertWeight((experts, 2 * local, hidden), linears.dtype, gate_up_shard, moe.bias)
+        self.down = ExpertWeight((experts, hidden, local), linears.dtype, down_shard, moe.bias, row=True)
 
 
 class SparseMoE(nn.Module):
@@ -62,7 +68,8 @@ class SparseMoE(nn.Module):
             raise ValueError(f"{config.architecture}: quantized MoE engines are not supported yet; build without "
                              f"--qformat (and from an unquantized checkpoint)")
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = linears.replicated(f"{prefix}.gate", hidden, moe.num_experts)
+        self.swiglu = dict(swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)  # GPT-OSS; 0: plain
+        self.gate = linears.replicated(f"{prefix}.gate", hidden, moe.num_experts, moe.bias)
         self.experts = FusedExperts(moe, hidden, linears, f"{prefix}.experts")
         comm = linears.comm
         # The ranks' partial sums over their intermediate features add up to the block's output.
@@ -76,8 +83,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; router logits [T, E] in x's dtype, as transformers computes them
-        out = fused_moe(x, self.gate(x), self.experts.gate_up.weight, self.experts.down.weight, top_k=self.top_k,
-                        renormalize=self.renormalize)  # [T, H]
+        gate_up, down = self.experts.gate_up, self.experts.down
+        out = fused_moe(x, self.gate(x), gate_up.weight, down.weight, top_k=self.top_k,
+                        renormalize=self.renormalize, b_gate_up=gate_up.bias, b_down=down.bias,
+                        **self.swiglu)  # [T, H]
         if self.reduce is not None:
             out = self.reduce(out)
         if self.shared_expert is not None:

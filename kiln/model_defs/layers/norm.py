@@ -1,5 +1,5 @@
-"""Norm modules: RMSNorm over the plugin operator, LayerNorm with a bias (Starcoder2), and RMSNorm over a whole
-q or k projection that tensor parallelism splits over ranks (OLMo 2)."""
+"""Norm modules: RMSNorm over the plugin operator, LayerNorm with a bias (Starcoder2), RMSNorm by (1 + weight)
+(Gemma), and RMSNorm over a whole q or k projection that tensor parallelism splits over ranks (OLMo 2)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,32 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [T, H]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual), as RMSNorm.add_and_norm."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + weight) (Gemma 2 and 3: the checkpoint stores the offset from 1), computed in
+    float32 and cast back once, as transformers' Gemma2RMSNorm (Llama's RMSNorm casts before the weight).
+    torch's own ops; same calls as RMSNorm, `feeds` a no-op as LayerNorm's (an FP8 linear quantizes its input
+    itself)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype))
+        self.eps = eps
+
+    def feeds(self, linear: nn.Module | None) -> None:
+        """No fused FP8 output (see the class docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., size] (hidden states, or q / k heads) -> same shape and dtype
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual), as RMSNorm.add_and_norm."""

@@ -1,4 +1,5 @@
-"""Rotary angle tables for each rope scaling scheme (default, linear, dynamic NTK, llama3, yarn).
+"""Rotary angle tables for each rope scaling scheme (default, linear, dynamic NTK, llama3, yarn, longrope), over
+the rotated dimensions of a head (all of them, or the first rotary_dim under partial rotary).
 
 Frequencies are computed exactly as Hugging Face computes them (same float32 operations), so rotated
 queries and keys match transformers bit for bit on the CPU.
@@ -11,13 +12,21 @@ import math
 import torch
 
 from ..config import RopeConfig
+from ..rope_params import longrope_attention_factor, rotary_dim
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
                         seq_len: int | None = None) -> torch.Tensor:
-    """inv_freq: [head_dim / 2] float32. `seq_len` matters only for dynamic NTK scaling."""
+    """inv_freq: [R / 2] float32, R the rotated dimensions (head_dim, or less under partial rotary).
+    `seq_len` matters only for dynamic NTK scaling and longrope (long factors past the original length)."""
+    head_dim = rotary_dim(rope.partial_rotary_factor, head_dim)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     base = rope.theta
+    if rope.rope_type == "longrope":
+        # transformers' _compute_longrope_parameters: 1 / (ext_factors * base ** exponents)
+        long = seq_len is not None and seq_len > rope.original_max_position_embeddings
+        ext_factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (ext_factors * base ** exponents)
     if rope.rope_type == "yarn":
         return _yarn_inverse_frequencies(rope, head_dim, base ** exponents)
     if rope.rope_type == "dynamic":
@@ -70,12 +79,15 @@ def _yarn_inverse_frequencies(rope: RopeConfig, head_dim: int, pos_freqs: torch.
 
 
 def attention_scaling(rope: RopeConfig) -> float:
-    """The factor transformers multiplies cos and sin by: yarn's `attention_factor` (given, or inferred from
-    factor, mscale and mscale_all_dim as transformers infers it); 1 for every other type."""
-    if rope.rope_type != "yarn":
+    """The factor transformers multiplies cos and sin by: yarn's and longrope's `attention_factor` (given, or
+    inferred from factor (yarn: and mscale, mscale_all_dim; longrope: and the original length) as transformers
+    infers it); 1 for every other type."""
+    if rope.rope_type not in ("yarn", "longrope"):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
+    if rope.rope_type == "longrope":
+        return longrope_attention_factor(rope.factor, rope.original_max_position_embeddings)
 
     def get_mscale(scale: float, mscale: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -85,8 +97,31 @@ def attention_scaling(rope: RopeConfig) -> float:
     return get_mscale(rope.factor)
 
 
+def yarn_softmax_mscale(rope: RopeConfig) -> float:
+    """DeepSeek's correction of the attention softmax scale under YaRN (transformers' yarn_apply_mscale): the
+    scale is multiplied by (0.1 * mscale_all_dim * ln(factor) + 1) ** 2 when mscale_all_dim is set and
+    factor > 1; 1 otherwise."""
+    if rope.rope_type != "yarn" or not rope.mscale_all_dim or rope.factor <= 1:
+        return 1.0
+    mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+    return mscale * mscale
+
+
 class RotaryTables:
-    """cos/sin per token for one model. Built once on the runtime's device for max_positions."""
+    """cos/sin per token for one model, [*, R/2] with R the rotated dimensions of a head. Built once on the
+    runtime's device for max_positions.
+
+    LongRoPE keeps two tables, short factors then long factors, one above the other. A token uses the long
+    one when its sequence's rope length (`ForwardContext.rope_lengths`: the prompt's length for prompt tokens,
+    position + 1 after) exceeds original_max_position_embeddings, as transformers picks per forward by the
+    sequence length: a prompt longer than the original context runs on long factors throughout. The choice
+    is per token on the device, so a step of many requests (in-flight batching, chunked prefill) gives each
+    request its own table, never its neighbours', and CUDA graphs replay it. One difference from
+    transformers' generate: when a sequence whose prompt fits the original context grows past it,
+    transformers drops its cache and recomputes the whole sequence on long factors (Phi3ForCausalLM's
+    prepare_inputs_for_generation); kiln keeps the keys already cached (short factors) and computes the new
+    tokens on long factors (no recompute), so tokens generated past that point can differ from transformers'.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_positions: int,
                  device: torch.device | str) -> None:
@@ -95,7 +130,15 @@ class RotaryTables:
         self.max_position_embeddings = max_position_embeddings
         inv_freq = inverse_frequencies(rope, head_dim, max_position_embeddings).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, D/2] float32
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, R/2] float32
+        # longrope: the long factors' rows follow the short ones' ([2 max_positions, R/2]) where a sequence
+        # can outgrow the original context; lookup adds max_positions to the long tokens' rows.
+        self.long_offset = 0
+        if rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings:
+            long_inv_freq = inverse_frequencies(rope, head_dim, max_position_embeddings,
+                                                rope.original_max_position_embeddings + 1).to(device)
+            freqs = torch.cat([freqs, torch.outer(positions, long_inv_freq)])
+            self.long_offset = max_positions
         # Allocated once; read by index every step (and by captured graphs later). Yarn's attention factor
         # is folded into the tables as transformers folds it into its cos/sin (float32, before the cast).
         self.cos = freqs.cos()
@@ -110,8 +153,11 @@ class RotaryTables:
 
     def lookup(self, positions: torch.Tensor, rope_lengths: torch.Tensor,
                max_rope_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions, rope_lengths: [T] int64 -> cos, sin: [T, D/2] float32. max_rope_length is
+        """positions, rope_lengths: [T] int64 -> cos, sin: [T, R/2] float32. max_rope_length is
         max(rope_lengths), given by the caller so that the common case needs no host sync."""
+        if self.long_offset:  # longrope: the long table's rows for tokens of sequences past the original length
+            long = rope_lengths > self.rope.original_max_position_embeddings
+            positions = positions + long * self.long_offset
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         if not self.needs_per_length_tables(max_rope_length):

@@ -245,8 +245,11 @@ def resolve_runtime(info: EngineInfo, options: RuntimeOptions | None = None, /, 
     keywords over it); a ValueError names the one too high."""
     options = runtime_options(options, keywords, "resolve_runtime")
     build = info.config.build
+    device = resolve_device(info.spec, options.device)
+    if device.type == "cuda" and info.model_def.cuda_refusal:
+        raise ValueError(info.model_def.cuda_refusal)
     return RuntimeConfig(
-        device=resolve_device(info.spec, options.device), dtype=build.torch_dtype,
+        device=device, dtype=build.torch_dtype,
         max_batch_size=_override("max_batch_size", options.max_batch_size, build.max_batch_size, "--max-batch-size"),
         max_num_tokens=_override("max_num_tokens", options.max_num_tokens, build.max_num_tokens, "--max-num-tokens"),
         max_seq_len=build.max_seq_len, block_size=build.kv_block_size, num_kv_blocks=options.num_kv_blocks,

@@ -16,9 +16,12 @@ import torch
 
 from kiln.engine_format import Mapping
 from kiln.model_defs import ModelConfig
+from kiln.model_defs.mla_config import kv_cache_layout, kv_values_per_token
 from kiln.plugins.kv_cache import QUANTIZED_KV_DTYPES
 
-LayerCache = tuple[torch.Tensor, torch.Tensor]  # (k, v): [num_blocks, block_size, Hk, D] each
+# (k, v): [num_blocks, block_size, Hk, D] each; for MLA both are the one latent cache [num_blocks, block_size, 1,
+# kv_lora_rank + rope dim] (mla_config.kv_cache_layout)
+LayerCache = tuple[torch.Tensor, torch.Tensor]
 LayerScales = tuple[torch.Tensor, torch.Tensor]  # (k_scale, v_scale): [1] float32 each
 
 
@@ -43,22 +46,27 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, scales: Sequence[tuple[float, float]] | None = None) -> None:
+        planes, heads, dim = kv_cache_layout(config)
+        if planes == 1 and is_quantized(dtype):
+            raise ValueError(f"a {dtype} KV cache is not supported with multi-head latent attention (MLA, "
+                             f"{config.architecture}); use a float KV cache (no --kv-cache-dtype fp8/int8)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         # Per layer (k_scale, v_scale) for a quantized cache; None while the cache holds `dtype` values as is.
         self.scales: tuple[LayerScales, ...] | None = _scale_tensors(config, dtype, scales, device)
-        # storage: [layers, 2 (k, v), num_blocks, block_size, Hk, D]
-        self.storage = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
-                                   config.head_dim, dtype=dtype, device=device)
+        # storage: [layers, 2 (k, v), num_blocks, block_size, Hk, D]; MLA: [layers, 1 (the latent), ..., 1, r + dr]
+        self.storage = torch.zeros(config.num_layers, planes, num_blocks, block_size, heads, dim, dtype=dtype,
+                                   device=device)
         self.layers: tuple[LayerCache, ...] = tuple(
-            (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers))
+            (self.storage[i, 0], self.storage[i, planes - 1]) for i in range(config.num_layers))
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        """Device bytes one token's keys and values take over all layers (1 byte an element for FP8, INT8)."""
+        """Device bytes one token's keys and values take over all layers (1 byte an element for FP8, INT8); for
+        MLA its compressed latent: layers * (kv_lora_rank + rope dim) * element size."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+        return kv_values_per_token(config) * element
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -22,7 +22,7 @@ from kiln.serve.limits import RequestLimits
 from kiln.serve.openai import request as common
 from kiln.serve.openai.format import chat_logprobs, stop_string
 from kiln.serve.openai.request import Choice, Job
-from kiln.serve.openai.tool_calls import PARSERS, default_parser
+from kiln.serve.openai.tool_calls import PARSERS, check_tools_readable, default_parser
 from kiln.serve.openai.tool_output import ToolOutput, ToolStream
 from kiln.serve.openai.tool_specs import ToolChoice, check_tool_choice, check_tools, template_tool_calls
 
@@ -138,6 +138,8 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     check_values(body)
     common.check_fields(body, _CHAT_FIELDS, n)
     tools = check_tools(body.get("tools"))
+    if tools:
+        check_tools_readable(service.llm.architecture)
     tool_choice = check_tool_choice(body.get("tool_choice"), tools)
     guided, guided_field = _constraint(body, tool_choice, tool_call_parser)
     count_tokens = limits.prompt_tokens(service.tokenize, "messages")

@@ -31,6 +31,19 @@ PARSER_NAMES = (LLAMA3_JSON, HERMES)
 _ARCHITECTURE_PARSERS = (("Llama", LLAMA3_JSON), ("Mistral", LLAMA3_JSON), ("Qwen2", HERMES), ("Qwen3", HERMES))
 
 
+# Hugging Face architecture prefix -> the tool-call format kiln does not read yet: a request with tools is refused.
+_UNREAD_FORMATS = (("GptOss", "the harmony format (calls in its commentary channel)"),
+                   ("Deepseek", "DeepSeek's tool-call tokens (<｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>)"))
+
+
+def check_tools_readable(architecture: str) -> None:
+    """InvalidRequest (field `tools`) for a model whose tool calls kiln cannot read out of its text."""
+    for prefix, fmt in _UNREAD_FORMATS:
+        if architecture.startswith(prefix):
+            raise InvalidRequest(f"tools: {architecture} writes tool calls in {fmt}, which kiln does not parse "
+                                 f"yet; send the request without tools", "tools")
+
+
 def default_parser(architecture: str) -> str:
     """The format for a model of this architecture; llama3_json for one not listed."""
     return next((parser for prefix, parser in _ARCHITECTURE_PARSERS if architecture.startswith(prefix)), LLAMA3_JSON)

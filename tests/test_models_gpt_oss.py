@@ -1,0 +1,290 @@
+"""GPT-OSS against transformers: a tiny random checkpoint with each of its parts made to matter (attention sinks
+large enough to take much of the softmax, a window shorter than the long prompts on every other layer, q/k/v/o,
+router and expert biases randomized, 4 experts top-2 with a SwiGLU limit the activations cross, YaRN rope).
+kiln's greedy tokens equal transformers' and its prompt logprobs match within float32 tolerance, also under
+in-flight batching with chunked prefill, preemption and prefix caching, n-gram speculation, and at TP=2 over
+gloo; MXFP4 expert weights (made by a reference quantizer) are dequantized at build and match transformers on
+the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from model_factory import BASE, hf_greedy
+from tokenizer_factory import make_test_tokenizer
+
+from kiln.builder.build import BuildError, build_engine
+from kiln.builder.build_config import BuildConfig
+from kiln.engine_format import load_engine_spec
+from kiln.model_defs import ModelConfigError, get_model_def
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.speculative import SpeculativeConfig
+
+PROMPTS = [[(7 * i + 3 * n) % 390 + 2 for i in range(n)] for n in (1, 5, 17, 40)]
+NEW_TOKENS = 12
+LIMITS = dict(max_batch_size=8, max_num_tokens=64, max_seq_len=128)
+CONFIG = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=6,
+              swiglu_limit=1.0, attention_bias=True, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
+
+
+def make_checkpoint(path: Path, **overrides) -> tuple[Path, transformers.PreTrainedModel]:
+    """A tiny GptOssForCausalLM, saved with the test tokenizer. Every bias, norm weight and sink is randomized
+    (transformers starts them at 0 and 1, which would hide one read from the wrong place); sinks around 2, large
+    against these scores, so a kiln that dropped them would not match."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.GptOssConfig(**{**BASE, **CONFIG, **overrides})
+    config.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(2.0 + torch.randn_like(param))
+            elif name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            elif "experts" in name:  # large enough that gate and up cross the SwiGLU limit
+                param.copy_(0.3 * torch.randn_like(param))
+    model.save_pretrained(path)
+    make_test_tokenizer(path)
+    return path, model
+
+
+def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    return logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpt_oss")
+    checkpoint, model = make_checkpoint(tmp / "ckpt")
+    engine = build_engine(checkpoint, tmp / "engine", BuildConfig(**LIMITS), progress=False)
+    return checkpoint, engine, model
+
+
+def test_greedy_tokens_and_prompt_logprobs_match_transformers(built):
+    _, engine, model = built
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=True)
+    with LLM(engine) as llm:
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        assert out.prompt_logprobs[1:] == pytest.approx(hf_prompt_logprobs(model, prompt), abs=1e-4)
+
+
+def test_in_flight_batching_with_chunked_prefill_matches_transformers(built):
+    """An 8-token step budget cuts the long prompts into chunks (the window spanning chunks), two sequences at a
+    time, requests of different lengths joining as others finish."""
+    _, engine, model = built
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
+    with LLM(engine, max_num_tokens=8, max_batch_size=2) as llm:
+        outputs = llm.generate(PROMPTS[::-1], params)
+        stats = llm.kv_cache_stats()
+    for prompt, p, out in zip(PROMPTS[::-1], params, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, p.max_tokens), f"prompt of {len(prompt)} tokens"
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_preemption_and_prefix_cache_match_transformers(built):
+    """Few KV blocks (requests preempted and recomputed) and each prompt twice (the second finds the first's
+    blocks in the prefix cache): the sinks and windows see the same keys either way."""
+    _, engine, model = built
+    with LLM(engine, num_kv_blocks=5, max_batch_size=4, max_num_tokens=32) as llm:  # 80 tokens of cache
+        outputs = llm.generate(PROMPTS * 2, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+        stats = llm.kv_cache_stats()
+    for prompt, out in zip(PROMPTS * 2, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_ngram_speculation_matches_transformers(built):
+    """Drafts verified several tokens a sequence at a time (sinks, windows and experts over them) keep
+    transformers' greedy tokens."""
+    _, engine, model = built
+    prompt = [5, 6, 7, 8, 9] * 5
+    with LLM(engine, speculative_config=SpeculativeConfig("ngram", 3, ngram_min=1, ngram_max=3)) as llm:
+        out = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+        stats = llm.speculation_stats()
+    assert stats["num_drafts"] > 0
+    assert out.token_ids == hf_greedy(model, prompt, 16)
+
+
+def test_config_is_read_as_transformers_reads_it(built):
+    checkpoint, engine, _ = built
+    config = load_engine_spec(engine).model_config
+    raw = json.loads((checkpoint / "config.json").read_text())
+    assert config["attention_sinks"] and config["qkv_bias"] and config["o_bias"]
+    assert config["layer_sliding_windows"] == [6, 0]  # layer_types: sliding, full
+    moe = config["moe"]
+    assert (moe["num_experts"], moe["top_k"], moe["bias"]) == (4, 2, True)
+    assert (moe["swiglu_limit"], moe["swiglu_alpha"]) == (raw["swiglu_limit"], raw["swiglu_alpha"])
+    assert config["rope"]["rope_type"] == "yarn" and config["rope"]["truncate"] is False
+
+
+def test_tp2_matches_transformers(tmp_path):
+    """Heads, sinks and experts' intermediate features split over two ranks (the down bias added once)."""
+    checkpoint, model = make_checkpoint(tmp_path / "ckpt")
+    engine = build_engine(checkpoint, tmp_path / "tp2", BuildConfig(tp_size=2, **LIMITS), progress=False)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=True)
+    with LLM(engine, max_num_tokens=16) as llm:
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        assert out.prompt_logprobs[1:] == pytest.approx(hf_prompt_logprobs(model, prompt), abs=1e-4)
+
+
+@pytest.mark.parametrize("key, value", [("swiglu_limit", 0), ("swiglu_alpha", "x"), ("sliding_window", 0)])
+def test_bad_config_is_refused_by_name(key, value):
+    raw = {**BASE, **CONFIG, "architectures": ["GptOssForCausalLM"],
+           "layer_types": ["sliding_attention", "full_attention"], key: value}
+    with pytest.raises(ModelConfigError, match=key):
+        get_model_def("GptOssForCausalLM").parse_config(raw)
+
+
+def test_mxfp4_config_without_mxfp4_tensors_is_refused_by_name(tmp_path):
+    checkpoint, _ = make_checkpoint(tmp_path / "ckpt")
+    raw = json.loads((checkpoint / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    (checkpoint / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(BuildError, match="mxfp4.*no MXFP4 tensors"):
+        build_engine(checkpoint, tmp_path / "engine", BuildConfig(**LIMITS), progress=False)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reference MXFP4 quantizer: w [..., N] (N a multiple of 32) -> (blocks [..., N/32, 16] uint8, scales
+    [..., N/32] uint8): per block of 32 the power-of-two scale that brings its largest magnitude within E2M1's 6,
+    each value rounded to the nearest E2M1 value, two codes a byte with the low nibble first."""
+    from kiln.model_defs.mxfp4 import E2M1_VALUES
+
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)  # [..., G, 32]
+    amax = groups.abs().amax(-1).clamp_min(2.0 ** -120)
+    exponent = torch.ceil(torch.log2(amax / 6.0))  # [..., G]
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) | ((scaled < 0).long() << 3)  # [..., G, 32]
+    pairs = codes.reshape(*codes.shape[:-1], 16, 2)
+    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_checkpoint_is_dequantized_at_build(tmp_path):
+    """The experts stored as MXFP4 blocks and scales (transformers' layout for GPT-OSS: [E, out, in / 32, 16],
+    gate and up rows interleaved) build a float engine that matches transformers run on the same dequantized
+    weights."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.model_defs.mxfp4 import dequantize_mxfp4
+
+    checkpoint, model = make_checkpoint(tmp_path / "ckpt", intermediate_size=64)  # 32 | hidden and intermediate
+    tensors = load_file(checkpoint / "model.safetensors")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize_mxfp4(param.transpose(1, 2))  # [E, out, in] quantized along in
+                tensors.pop(name)
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+                param.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))  # transformers on the same weights
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((checkpoint / "config.json").read_text())
+    unquantized = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": unquantized}
+    (checkpoint / "config.json").write_text(json.dumps(raw))
+    engine = build_engine(checkpoint, tmp_path / "engine", BuildConfig(**LIMITS), progress=False)
+    assert load_engine_spec(engine).model_config["moe"]["mxfp4_experts"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=True)
+    with LLM(engine) as llm:
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        assert out.prompt_logprobs[1:] == pytest.approx(hf_prompt_logprobs(model, prompt), abs=1e-4)
+
+
+def test_mxfp4_reader_refuses_what_it_cannot_build(tmp_path):
+    from kiln.checkpoints.prequant.mxfp4 import from_checkpoint
+    from kiln.quant.base import QuantError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(QuantError, match="GptOssForCausalLM"):
+        from_checkpoint(tmp_path, {"quant_method": "mxfp4"}, None, {"a.weight"})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
+    with pytest.raises(QuantError, match="x_scales"):
+        from_checkpoint(tmp_path, {"quant_method": "mxfp4"}, None, {"x_blocks"})
+
+
+def test_chat_tools_are_refused_by_name():
+    """The harmony format's tool calls are not parsed yet: a chat request with tools is a 400 naming it."""
+    from kiln.serve.errors import InvalidRequest
+    from kiln.serve.openai.tool_calls import check_tools_readable
+
+    with pytest.raises(InvalidRequest, match="harmony") as info:
+        check_tools_readable("GptOssForCausalLM")
+    assert info.value.status == 400 and info.value.param == "tools"
+    check_tools_readable("LlamaForCausalLM")  # read as llama3_json
+
+
+def test_benchmark_config_has_gpt_oss_20b_shapes_and_a_shrunken_copy_runs(tmp_path):
+    from kiln.builder.build import load_model_config
+
+    configs = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+    _, config = load_model_config(configs / "gpt-oss-20b")
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (32, 4, 2880)
+    assert config.layer_sliding_windows[:2] == (128, 0) and config.attention_sinks
+    small = json.loads((configs / "gpt-oss-20b" / "config.json").read_text())
+    small.update(hidden_size=64, num_hidden_layers=2, layer_types=small["layer_types"][:2], num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=32, vocab_size=512, num_local_experts=8,
+                 eos_token_id=1)  # the real id lies outside the shrunken vocabulary
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(small))
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildConfig(dummy_weights=True, dtype="float32"),
+                          progress=False)
+    with LLM(engine, num_kv_blocks=8) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+# --- on a GPU (the lead's device runs these) ---
+
+
+def test_a_cuda_build_is_refused_until_its_gpu_path_matches(tmp_path):
+    checkpoint, _ = make_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(BuildError, match="GptOssForCausalLM runs on the CPU only.*--device cpu"):
+        build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype="float32", **LIMITS),
+                     progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.xfail(reason="on an H200 the prompt logprobs differ from transformers' by up to 1.4 (the CPU path "
+                          "matches to 1e-4): the CUDA path is refused until this passes", strict=False)
+def test_cuda_graphs_give_the_eager_tokens_and_transformers_logprobs(tmp_path, monkeypatch):
+    """The tiny engine on CUDA (float32: the Triton kernels' tf32x3 dots; sinks in the attention kernels, biases
+    and the clamped SwiGLU in the MoE kernels): CUDA graphs give the eager tokens under in-flight batching, and
+    the prompt logprobs stay near transformers'."""
+    import dataclasses
+
+    from kiln.model_defs import registry
+
+    unrefused = dataclasses.replace(registry._REGISTRY["GptOssForCausalLM"], cuda_refusal=None)
+    monkeypatch.setitem(registry._REGISTRY, "GptOssForCausalLM", unrefused)
+    checkpoint, model = make_checkpoint(tmp_path / "ckpt")
+    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype="float32", **LIMITS),
+                          progress=False)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=True)
+    with LLM(engine, num_kv_blocks=64) as graphs:
+        assert graphs.engine.executor.runner.graphs is not None
+        captured = graphs.generate(PROMPTS, params)
+    with LLM(engine, num_kv_blocks=64, cuda_graphs=False) as eager:
+        assert [o.token_ids for o in eager.generate(PROMPTS, params)] == [o.token_ids for o in captured]
+    for prompt, out in zip(PROMPTS, captured):  # the MoE kernels' float32 dots run in tf32
+        assert out.prompt_logprobs[1:] == pytest.approx(hf_prompt_logprobs(model, prompt), abs=2e-2)

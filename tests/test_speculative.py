@@ -155,7 +155,8 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes(tiny_code_
 
 @pytest.mark.parametrize(("options", "message"), [
     (dict(method="ngram", num_speculative_tokens=0), "--num-speculative-tokens 0 must be an integer in [1, 16]"),
-    (dict(method="eagle", num_speculative_tokens=2), "--speculative-mode 'eagle' is not one of draft_model, ngram"),
+    (dict(method="eagle", num_speculative_tokens=2),
+     "--speculative-mode 'eagle' is not one of draft_model, ngram, eagle3"),
     (dict(method="draft_model", num_speculative_tokens=2), "needs --speculative-model DIR"),
     (dict(method="ngram", num_speculative_tokens=2, ngram_min=3, ngram_max=2), "--ngram-min 3 exceeds --ngram-max 2"),
 ])

@@ -110,7 +110,7 @@ def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None)
         executor = create_executor(info, runtime, startup)
         if speculative is not None:
             speculator = make_speculator(speculative, info, runtime, create_executor=create_executor,
-                                         verify_checksums=verify_checksums)
+                                         verify_checksums=verify_checksums, target_executor=executor)
         finish_verification(verification, startup)
     except BaseException as error:
         if executor is not None:

@@ -1,8 +1,10 @@
 """How an engine speculates: the typed, frozen runtime option (TensorRT-LLM's and vLLM's words).
 
 `SpeculativeConfig(method="draft_model", model=DIR, num_speculative_tokens=K)` runs a second kiln engine
-(same vocabulary) as the proposer; `method="ngram"` copies the tokens that followed the last occurrence of
-the request's last n tokens (prompt lookup, no model). Errors name the command-line flag of each field.
+(same vocabulary) as the proposer; `method="eagle3"` with `model=HEAD_DIR` an EAGLE-3 head (the published
+layout: config.json + safetensors) over the target's own hidden states; `method="ngram"` copies the tokens
+that followed the last occurrence of the request's last n tokens (prompt lookup, no model). Errors name the
+command-line flag of each field.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read --speculative-model DIR
 MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + K positions per request; more is never worth it
 
 
@@ -21,7 +24,8 @@ def _positive_int(value: object) -> bool:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`num_speculative_tokens`: K, the tokens proposed per request per step (a request may ask for fewer,
-    `SamplingParams.num_speculative_tokens`). `model`: the draft engine directory (method "draft_model").
+    `SamplingParams.num_speculative_tokens`). `model`: the draft engine directory (method "draft_model") or
+    the EAGLE-3 head's checkpoint directory (method "eagle3").
     `ngram_min` .. `ngram_max`: the lengths of the suffix looked up (method "ngram"; the longest match wins)."""
 
     method: str
@@ -36,9 +40,10 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--num-speculative-tokens {k!r} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
-        if self.method == "draft_model":
+        if self.method in MODEL_METHODS:
             if not self.model:
-                raise ValueError("--speculative-mode draft_model needs --speculative-model DIR (a kiln engine)")
+                what = "a kiln engine" if self.method == "draft_model" else "an EAGLE-3 head checkpoint"
+                raise ValueError(f"--speculative-mode {self.method} needs --speculative-model DIR ({what})")
             object.__setattr__(self, "model", str(Path(self.model)))
         elif self.model is not None:
             raise ValueError(f"--speculative-model {self.model} is a draft engine, but --speculative-mode is "

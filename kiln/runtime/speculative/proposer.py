@@ -2,8 +2,8 @@
 
 A proposer gets, once per step and before the schedule, the running requests that are decoding, each with
 the most tokens it may propose; it returns up to that many tokens per request, and for a proposer that
-samples them, the distribution each was drawn from (the rejection rule needs it). The draft model and
-n-gram lookup are the two proposers; EAGLE or MTP heads would be one more file behind this protocol.
+samples them, the distribution each was drawn from (the rejection rule needs it). The draft model, n-gram
+lookup and an EAGLE-3 head (eagle3.py) are the proposers; an MTP head would be one more file behind this protocol.
 """
 
 from __future__ import annotations

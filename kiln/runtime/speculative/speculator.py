@@ -128,15 +128,20 @@ class Speculator:
 
 
 def make_speculator(config: SpeculativeConfig, target, runtime, *, create_executor,
-                    verify_checksums: bool = True) -> Speculator:
+                    verify_checksums: bool = True, target_executor=None) -> Speculator:
     """The speculator `config` asks for, its proposer loaded for the target engine (`EngineInfo`) and its
-    `RuntimeConfig`: a draft engine on the same device, or n-gram lookup. `create_executor(info, runtime)`
-    makes the draft engine's executor (`draft_model.ExecutorFactory`; passed in so that this package never
-    imports the engine factory, which imports the engine)."""
+    `RuntimeConfig`: a draft engine on the same device, an EAGLE-3 head over `target_executor`'s network (which
+    then hands it each step's hidden states), or n-gram lookup. `create_executor(info, runtime)` makes the
+    draft engine's executor (`draft_model.ExecutorFactory`; passed in so that this package never imports the
+    engine factory, which imports the engine)."""
     if config.method == "ngram":
         from kiln.runtime.speculative.ngram import NgramProposer
 
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    elif config.method == "eagle3":
+        from kiln.runtime.speculative.eagle3 import Eagle3Proposer
+
+        proposer = Eagle3Proposer.load(config.model, target, runtime, target_executor)
     else:
         from kiln.runtime.speculative.draft_model import DraftModelProposer
 

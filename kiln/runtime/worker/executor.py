@@ -7,12 +7,15 @@ tensor-parallel engine, which sends each StepInput to the other ranks and return
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import torch
 
 from kiln.checkpoints.lora_adapter import LoRAAdapter
 from kiln.model_defs import CausalLM
 from kiln.runtime.core.lora_request import LoRARequest
+from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.worker.engine_loader import RuntimeConfig
 from kiln.runtime.worker.kv_host_tier import HostKVTier
 from kiln.runtime.worker.memory import MemoryReport
@@ -66,9 +69,20 @@ class LocalExecutor:
         self.graph_capture_seconds = self.runner.graph_capture_seconds
         self.fault = None
         self.accepts_token_feed = True
+        # EAGLE-3: where each step's features go (capture_hidden); None: none are kept.
+        self._hidden_sink: Callable[[SchedulerOutput, torch.Tensor], None] | None = None
 
     def execute(self, step: StepInput) -> StepResult:
-        return self.runner.execute(step)
+        result = self.runner.execute(step)
+        if self._hidden_sink is not None and result.aux_hidden is not None:
+            self._hidden_sink(step.schedule, result.aux_hidden)
+        return result
+
+    def capture_hidden(self, layers: tuple[int, ...], sink: Callable[[SchedulerOutput, torch.Tensor], None]) -> None:
+        """Hands every later step's residual streams entering `layers` (`StepResult.aux_hidden`, [T, 3H] for an
+        EAGLE-3 head) to `sink` with the step's schedule, in this process, as the step is launched."""
+        self.runner.capture_hidden(layers)
+        self._hidden_sink = sink
 
     def add_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
         """Keeps the adapter `request` names in host memory: `adapter`, already read (`read_lora_adapter`, off the

@@ -10,6 +10,7 @@ limits, sizes the KV cache from what is left, then captures the graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_capture_seconds = 0.0
+        self.capture_layers: tuple[int, ...] = ()  # EAGLE-3's feature layers (capture_hidden); (): none
         graph_bytes = 0
         if device.type == "cuda" and limits.cuda_graphs and self.lora is not None and not USE_TRITON:
             # lora_add's reference reads the slots on the host: it cannot be captured.
@@ -155,6 +157,15 @@ class ModelRunner:
                     prefill_seconds)
         return max(0, free_before - free_after)
 
+    def capture_hidden(self, layers: tuple[int, ...]) -> None:
+        """Has every later step return the residual streams entering these decoder layers (StepResult.aux_hidden;
+        an EAGLE-3 head's features). Such steps run eagerly: the captured graphs keep no features."""
+        bad = [i for i in layers if not 0 <= i <= self.model.config.num_layers]
+        if bad:
+            raise ValueError(f"feature layers {list(layers)}: {bad} outside [0, {self.model.config.num_layers}] "
+                             f"(the target has {self.model.config.num_layers} layers)")
+        self.capture_layers = tuple(layers)
+
     def release_graphs(self) -> None:
         """Destroys the CUDA graphs (decode steps run eagerly afterwards); a tensor-parallel rank does this
         before leaving its process groups."""
@@ -180,13 +191,14 @@ class ModelRunner:
                              "(kv_offloading_size / --kv-offloading-size is 0)")
         if schedule.block_copies:  # beams' copy-on-write: before anything reads or writes those blocks
             self.kv_cache.copy_blocks(schedule.block_copies)
-        if self.graphs is not None and self.graphs.fits(len(schedule.requests)):
+        capture = self.capture_layers
+        if not capture and self.graphs is not None and self.graphs.fits(len(schedule.requests)):
             batch = decode_batch(schedule, self.block_size, self.model, targets, feed)
             if batch is not None:
                 rows = self.lora.place(schedule) if self.lora is not None else None
                 logits = self.graphs.run(batch, feed.tokens if feed is not None else None, rows)  # [n, V]
                 return StepResult(logits, request_ids, tuple(range(len(batch) + 1)))
-        if self.prefill_graphs is not None:
+        if not capture and self.prefill_graphs is not None:
             one = prefill_batch(schedule, self.model, targets, feed)
             if one is not None and self.prefill_graphs.fits(len(one)):
                 rows = self.lora.place(schedule) if self.lora is not None else None
@@ -197,11 +209,21 @@ class ModelRunner:
             feed_tokens(packed.input_ids, schedule, feed)
         if self.lora is not None:
             self.lora.prepare(schedule)
+        context = packed.context
+        if capture:  # EAGLE-3's features: the decoder keeps these layers' inputs in context.captured
+            context = dataclasses.replace(context, capture_layers=capture, captured={})
         try:
-            hidden = self.model(packed.input_ids, packed.context)  # [T, H]
+            hidden = self.model(packed.input_ids, context)  # [T, H]
         finally:
             if self.lora is not None:
                 self.lora.finish()
         logits = self.model.compute_logits(hidden[packed.sample_rows])  # [R, V]
         logprobs = prompt_logprobs(schedule, hidden, targets, self.model.compute_logits) if targets else {}
-        return StepResult(logits, request_ids, packed.logits_offsets, logprobs)
+        aux = None
+        if capture:
+            missing = [i for i in capture if i not in context.captured]
+            if missing:
+                raise RuntimeError(f"{type(self.model).__name__} kept no features of layers {missing}: its forward "
+                                   f"does not capture hidden states (EAGLE-3 needs a DecoderForCausalLM)")
+            aux = torch.cat([context.captured[i] for i in capture], dim=-1)  # [T, len(capture) * H]
+        return StepResult(logits, request_ids, packed.logits_offsets, logprobs, aux)

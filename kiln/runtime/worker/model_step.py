@@ -44,6 +44,9 @@ class StepResult:
     # request id -> (first prompt position p, logprobs of prompt[p+1], prompt[p+2], ..., their positions' top
     # tokens when asked) for requests that asked for prompt logprobs and computed prompt tokens this step.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # EAGLE-3: [T, len(layers) * H] in the model's dtype, every computed token's residual streams at the layers
+    # `capture_hidden` named (the packed tokens in schedule order), concatenated; None when none were asked for.
+    aux_hidden: torch.Tensor | None = None
 
     def rows_of(self, index: int) -> range:
         """The logits rows of the `index`-th scheduled request."""

@@ -1,0 +1,230 @@
+"""EAGLE-3 as the proposer: a one-layer head over the target's own hidden states, in this process, with its own
+paged KV cache in its own block manager.
+
+The target keeps, for every token it computes, its residual streams entering three layers (low, middle,
+high: `LocalExecutor.capture_hidden`); each step hands them here (`observe`) as [n, 3H] per request. The
+head's position j reads token j + 1 and the target's features at position j (fused by `fc`), and predicts
+token j + 2, so when the target has computed positions 0..N-2 of a request of N tokens, the head catches up on
+the positions it has not computed (its KV cache), and the last of them (N-2, reading the request's last token)
+gives the first draft. Each later draft reads the draft before it and the head's own hidden state (before its
+final norm) at the position before. Features of drafts the target rejected are simply never read: the target
+computes those positions again, and a request's positions are read only below its last token.
+
+Greedy drafts are the argmax over the target vocabulary (the draft vocabulary placed by `d2t`); sampled drafts
+come with q, the head's processed distribution, for the rejection rule. A position whose features never came
+(a prefix-cache hit on the target, or a head cache that had to drop the request) reads zeros: the drafts are
+worse, never wrong. Steps that capture features run eagerly (no CUDA graphs), as verify steps already do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine_format import EngineError
+from kiln.model_defs.layers.decoder import DecoderForCausalLM
+from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.runtime.sampling.sampler import Sampler, SamplingRow
+from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS
+from kiln.runtime.speculative.eagle3_head import Eagle3Head, load_head
+from kiln.runtime.speculative.proposer import DraftRequest, Proposal
+from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
+from kiln.runtime.worker.kv_cache import KVCache
+from kiln.runtime.worker.step_inputs import pack_step
+
+logger = logging.getLogger("kiln.runtime")
+
+
+@dataclass
+class _HeadSequence:
+    """What the head's cache holds for a request: positions [0, done) computed from the request's own tokens
+    (position j read token j + 1; `anchor` is token `done`, the last one read, to notice a change)."""
+
+    done: int = 0
+    anchor: int = -1
+
+
+@dataclass
+class _Drafting:
+    request: DraftRequest
+    computed: int  # head positions already in its cache; catch-up runs up to len(token_ids) - 1
+    features: torch.Tensor  # [N - 1 - computed at start, F]: the target's features of the positions to catch up
+    first: int  # the head position features[0] belongs to
+    drafts: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # [V] float32 q per draft, when sampled
+    hidden: torch.Tensor | None = None  # [1, H]: the head's prenorm hidden state at its last sampled position
+
+
+class Eagle3Proposer:
+    """`--speculative-mode eagle3 --speculative-model HEAD_DIR`: drafts from an EAGLE-3 head on the target's
+    device, with `num_blocks` head KV blocks of `runtime.block_size` (the target's RuntimeConfig)."""
+
+    def __init__(self, head: Eagle3Head, runtime: RuntimeConfig, num_blocks: int, device: torch.device) -> None:
+        self.head = head
+        self.runtime = runtime
+        self.device = device
+        self.blocks = BlockManager(num_blocks, runtime.block_size, enable_prefix_caching=False)
+        self.cache = KVCache(head.config.layer, num_blocks, runtime.block_size, head.fc.weight.dtype, device)
+        self.num_features = 3 * head.config.target_hidden_size
+        self.sampler = Sampler()
+        self._sequences: dict[str, _HeadSequence] = {}
+        # request id -> (first position, [n, F] features) per target step since its last proposal, oldest first.
+        self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    @classmethod
+    def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor) -> Eagle3Proposer:
+        """Reads the head next to the target's network (`target_executor`, a LocalExecutor) and has the target
+        capture the layers it reads. EngineError: tensor parallelism, a target whose network keeps no features,
+        a head for another model."""
+        tp = target.config.mapping.tp_size
+        if tp > 1:
+            raise EngineError(f"--speculative-mode eagle3 runs with one rank; the target engine "
+                              f"{target.spec.engine_dir} is split over {tp} ranks (tensor parallelism)")
+        runner = getattr(target_executor, "runner", None)
+        model = getattr(runner, "model", None)
+        if not isinstance(model, DecoderForCausalLM):
+            raise EngineError(f"--speculative-mode eagle3: the target's network ({type(model).__name__}) does not "
+                              f"hand out hidden states (a Llama-style decoder does)")
+        head = load_head(head_dir, target.model_config, model.model.embed_tokens.weight)
+        head.setup_rotary(runtime.max_seq_len, runtime.device)
+        layers = head.config.feature_layers(target.model_config.num_layers)
+        # As many blocks as the target's (one layer's worth), but no more than a full batch of full sequences
+        # can use: the target's cache was sized before the head came.
+        per_sequence = -(-(runtime.max_seq_len + MAX_SPECULATIVE_TOKENS) // runtime.block_size)
+        num_blocks = min(target_executor.num_kv_blocks, runtime.max_batch_size * per_sequence)
+        proposer = cls(head, runtime, num_blocks, runtime.device)
+        try:
+            target_executor.capture_hidden(layers, proposer.observe)
+        except ValueError as e:
+            raise EngineError(f"EAGLE-3 head {head_dir}: {e}") from None
+        logger.info("EAGLE-3 head %s (draft vocabulary %d, target layers %s, %d KV blocks) proposes for the target",
+                    head_dir, head.config.draft_vocab_size, list(layers), num_blocks)
+        return proposer
+
+    def observe(self, schedule: SchedulerOutput, aux_hidden: torch.Tensor) -> None:
+        """A target step's features, [T, F] for its packed tokens (schedule order), kept per request."""
+        offset = 0
+        for r in schedule.requests:
+            n = len(r.token_ids)
+            self._features.setdefault(r.request_id, []).append((r.start_position, aux_hidden[offset:offset + n]))
+            offset += n
+
+    # ---- the Proposer protocol -----------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Proposal]:
+        work = [w for w in (self._start(r) for r in requests) if w is not None]
+        if not work:
+            return {}
+        self._catch_up(work)
+        for _ in range(max(w.request.max_tokens for w in work) - 1):
+            self._decode([w for w in work if len(w.drafts) < w.request.max_tokens])
+        proposals = {}
+        for w in work:
+            probs = torch.stack(w.probs) if w.probs else None  # [k, V]
+            proposals[w.request.request_id] = Proposal(w.drafts, probs)
+        return proposals
+
+    def release(self, request_id: str) -> None:
+        self._features.pop(request_id, None)
+        if self._sequences.pop(request_id, None) is not None:
+            self.blocks.free(request_id)
+
+    def shutdown(self) -> None:
+        self._features.clear()
+
+    # ---- one proposal --------------------------------------------------------------------------
+    def _start(self, request: DraftRequest) -> _Drafting | None:
+        """The positions the head must (re)compute and their features; None when the head's cache cannot hold
+        the request (it is then not speculated this step)."""
+        tokens = request.token_ids
+        n = len(tokens)
+        chunks = self._features.pop(request.request_id, [])
+        if n < 2:
+            return None
+        seq = self._sequences.setdefault(request.request_id, _HeadSequence())
+        if seq.done >= n or tokens[seq.done] != seq.anchor:
+            seq.done = 0
+        # Position N-2 (reading the last token) is always computed: it gives the first draft.
+        start = min(seq.done, n - 2)
+        # Slots for positions 0..N-2 and for the drafts fed back (positions N-1 .. N+k-3).
+        if not self.blocks.allocate(request.request_id, n - 1 + request.max_tokens - 1):
+            # Its head cache goes (the next proposal starts over at position 0); the features kept stay.
+            self.release(request.request_id)
+            self._features[request.request_id] = chunks
+            return None
+        seq.done, seq.anchor = n - 1, tokens[n - 1]
+        features = self._gather(chunks, start, n - 1)
+        # Position N-2's features stay: a request proposed for again with the same tokens (it was not scheduled
+        # since) computes that position again.
+        self._features[request.request_id] = [(n - 2, features[-1:])]
+        return _Drafting(request, start, features, start)
+
+    def _gather(self, chunks: list[tuple[int, torch.Tensor]], start: int, end: int) -> torch.Tensor:
+        """[end - start, F]: the latest features of positions start..end-1 (zeros where none came)."""
+        out = torch.zeros(end - start, self.num_features, dtype=self.head.fc.weight.dtype, device=self.device)
+        for first, feats in chunks:  # oldest first: a later step's features of a position replace an earlier's
+            lo, hi = max(first, start), min(first + len(feats), end)
+            if lo < hi:
+                out[lo - start:hi - start] = feats[lo - first:hi - first]
+        return out
+
+    def _row(self, w: _Drafting) -> SamplingRow:
+        row = w.request.row
+        outputs = [*row.output_token_ids, *w.drafts] if w.drafts else row.output_token_ids
+        return SamplingRow(row.params, row.prompt_token_ids, outputs, row.generator)
+
+    def _catch_up(self, work: list[_Drafting]) -> None:
+        """Computes each request's head positions up to N-2 in passes within the engine's limits; the pass that
+        reaches N-2 samples the first draft."""
+        todo = list(work)
+        while todo:
+            budget, batch = self.runtime.max_num_tokens, []
+            for w in todo:
+                if budget == 0 or len(batch) == self.runtime.max_batch_size:
+                    break
+                n = min(len(w.request.token_ids) - 1 - w.computed, budget)
+                batch.append((w, n))
+                budget -= n
+            items, feats = [], []
+            for w, n in batch:
+                start, end = w.computed, w.computed + n
+                last = end == len(w.request.token_ids) - 1
+                # Head position j reads token j + 1.
+                items.append(self._item(w, w.request.token_ids[start + 1:end + 1], start, 1 if last else 0))
+                feats.append(w.features[start - w.first:end - w.first])
+                w.computed = end
+            self._run(items, torch.cat(feats), [w for w, _ in batch if w.computed == len(w.request.token_ids) - 1])
+            todo = [w for w in todo if w.computed < len(w.request.token_ids) - 1]
+
+    def _decode(self, work: list[_Drafting]) -> None:
+        """One draft more for each request in `work`: its last draft and the head's hidden state before it."""
+        for first in range(0, len(work), self.runtime.max_batch_size):
+            chunk = work[first:first + self.runtime.max_batch_size]
+            items = [self._item(w, (w.drafts[-1],), len(w.request.token_ids) + len(w.drafts) - 2, 1) for w in chunk]
+            self._run(items, torch.cat([w.hidden for w in chunk]), chunk)
+
+    def _item(self, w: _Drafting, tokens: Sequence[int], start: int, num_sampled: int) -> ScheduledRequest:
+        request_id = w.request.request_id
+        return ScheduledRequest(request_id, tuple(tokens), start, self.blocks.block_table(request_id),
+                                len(w.request.row.prompt_token_ids), num_sampled)
+
+    def _run(self, items: list[ScheduledRequest], features: torch.Tensor, sampled: list[_Drafting]) -> None:
+        """One head step over `items` (features: [T, F] or [T, H], packed like the items' tokens); `sampled`:
+        the requests whose item samples, in the items' order."""
+        packed = pack_step(SchedulerOutput(tuple(items), ()), self.runtime.block_size, self.cache.layers, self.device)
+        normed, prenorm = self.head(packed.input_ids, features, packed.context)  # [T, H] each
+        if not sampled:
+            return
+        rows = packed.sample_rows  # [R]: one per sampled item
+        logits = self.head.target_logits(normed[rows])  # [R, V]
+        tokens, probs = self.sampler.draw_with_probs(logits, [self._row(w) for w in sampled])
+        hidden = prenorm[rows]  # [R, H]
+        for i, (w, token) in enumerate(zip(sampled, tokens.tolist())):
+            w.drafts.append(token)
+            w.hidden = hidden[i:i + 1]
+            if probs is not None and not w.request.row.params.greedy:
+                w.probs.append(probs[i])

@@ -163,18 +163,22 @@ def _hf_cached_greedy(model, prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
-def test_a_sequence_growing_past_the_original_context_keeps_its_cached_keys(case):
-    """A 28-token prompt generating 8 tokens crosses the switch length: kiln's tokens are transformers' forward
-    with its cache kept (short-factor keys of the first 32 tokens, long factors after), and transformers'
-    generate (which recomputes the sequence on long factors at the switch) up to the switch."""
+@pytest.mark.parametrize("max_num_tokens", [None, 8])
+def test_a_sequence_growing_past_the_original_context_is_recomputed_on_long_factors(case, max_num_tokens):
+    """A 28-token prompt generating 8 tokens crosses the switch length: as transformers' generate does, the
+    sequence is recomputed on long factors there (kiln preempts it: SchedulerLimits.recompute_past), so the tokens
+    are generate's, not those of a forward that kept its short-factor keys; in one batch with other requests and
+    with the recompute chunked too."""
     _, _, engine, model = case
     prompt = PROMPTS[3][:28]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(engine) as llm:
-        (out,) = llm.generate([prompt], params)
-    assert out.token_ids == _hf_cached_greedy(model, prompt, NEW_TOKENS)
-    # tokens 1-5 come from sequences of 28-32 tokens, before transformers' recompute
-    assert out.token_ids[:ORIGINAL - len(prompt) + 1] == hf_greedy(model, prompt, NEW_TOKENS)[:ORIGINAL - len(prompt) + 1]
+    with LLM(engine, max_num_tokens=max_num_tokens) as llm:
+        out, *others = llm.generate([prompt, PROMPTS[0], PROMPTS[1]], params)
+        assert llm.engine.num_preemptions >= 1
+        assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
+    expected = hf_greedy(model, prompt, NEW_TOKENS)
+    assert out.token_ids == expected and expected != _hf_cached_greedy(model, prompt, NEW_TOKENS)
+    assert [o.token_ids for o in others] == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS[:2]]
 
 
 def test_tp2_with_a_replicated_kv_head_matches_transformers(tmp_path):

@@ -146,7 +146,8 @@ def test_codec_sends_a_forgotten_table_whole():
 
 def valid_message() -> dict:
     step = StepInput(SchedulerOutput((ScheduledRequest("a", (1, 2, 3), 0, BlockTable([4], 1, new_stamp()), 3, 1),
-                                      ScheduledRequest("b", (9,), 7, (5, 6), 5, 1)), ("c",), ((6, 8),)),
+                                      ScheduledRequest("b", (9,), 7, (5, 6), 5, 1, rope_min_length=8)), ("c",),
+                                     ((6, 8),)),
                      {"a": PromptLogprobTarget([1, 2, 3], 2)})
     assert StepDecoder().decode(StepEncoder().encode(step)) == step  # the block copies (beam search) travel too
     return json.loads(StepEncoder().encode(step))
@@ -211,7 +212,7 @@ def test_codec_covers_every_field():
     names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (ScheduledRequest, SchedulerOutput, StepInput,
                                                                        PromptLogprobTarget, RuntimeConfig, RankLaunch)}
     assert names[ScheduledRequest] == {"request_id", "token_ids", "start_position", "block_ids", "num_prompt_tokens",
-                                       "num_sampled", "lora_int_id"}
+                                       "num_sampled", "lora_int_id", "rope_min_length"}
     assert names[SchedulerOutput] == {"requests", "preempted_ids", "block_copies", "kv_transfers"}
     assert names[StepInput] == {"schedule", "prompt_logprob_targets", "token_feed"}
     assert names[PromptLogprobTarget] == {"token_ids", "top_k", "logprobs", "logits"}

@@ -82,6 +82,15 @@ def longrope_attention_factor(factor: float, original_max_position_embeddings: i
     return math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
 
 
+def rope_switch_length(rope: Any, max_seq_len: int) -> int | None:
+    """The length past which a LongRoPE sequence is rotated by its long factors (when the engine lets sequences
+    grow past it): a sequence that started shorter is recomputed there, as transformers' Phi-3 does. None for
+    any other rope."""
+    if rope.rope_type == "longrope" and max_seq_len > rope.original_max_position_embeddings:
+        return rope.original_max_position_embeddings
+    return None
+
+
 def kv_depends_on_sequence_length(rope: Any, max_position_embeddings: int, max_seq_len: int) -> bool:
     """Whether a token's cached keys can depend on how long its sequence is, not only on the tokens up to it:
     longrope (short or long factors by the sequence's length) and dynamic NTK (a base grown with it) where

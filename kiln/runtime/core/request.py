@@ -48,6 +48,8 @@ class Request:
     num_cached_disk_tokens: int = 0
     # Its prefix's blocks are being read from the disk tier: the scheduler starts others before it meanwhile.
     kv_pending: bool = False
+    # Its length when it was last admitted (SchedulerLimits.recompute_past compares it).
+    num_tokens_at_start: int = 0
     # Tokens a proposer guessed to follow (speculative decoding): the next step computes them after the last
     # token and samples every position, and only the prefix the target agrees with is kept.
     draft_token_ids: list[int] = field(default_factory=list)

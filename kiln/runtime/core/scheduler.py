@@ -30,6 +30,10 @@ class SchedulerLimits:
     max_num_tokens: int
     # The most distinct LoRA adapters one step may run (the worker's device slots); None: no limit.
     max_loras: int | None = None
+    # A request that started at this many tokens or fewer is recomputed from scratch once it grows past it:
+    # LongRoPE rotates a sequence longer than that by other factors, so keys cached before are stale
+    # (transformers' Phi-3 recomputes its cache there too). None: never.
+    recompute_past: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_num_tokens < 1 or (self.max_loras is not None and self.max_loras < 1):
@@ -52,6 +56,9 @@ class ScheduledRequest:
     # tokens, 0 for a prefill chunk that does not. A step verifying k draft tokens samples k + 1.
     num_sampled: int
     lora_int_id: int = 0  # the LoRA adapter it runs with; 0: the base model
+    # Rope treats every position as in a sequence of at least this many tokens (besides num_prompt_tokens): a
+    # request recomputed past LongRoPE's switch length (SchedulerLimits.recompute_past) its length then; else 0.
+    rope_min_length: int = 0
 
     @property
     def sample(self) -> bool:
@@ -142,6 +149,10 @@ class Scheduler:
                 continue  # a request's beams run together or not at all
             if not self._adapter_fits(request, adapters):
                 continue  # its adapter waits for a step with a free slot
+            if self._grew_past_switch(request):  # recomputed as a preempted request is, on long factors only
+                self._preempt(request)
+                preempted.append(request.request_id)
+                continue
             # A decoding request's drafts (speculative decoding) are computed with its last token; the budget
             # may cut them short. Beams advance in lockstep, each by num_new.
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids),
@@ -178,6 +189,7 @@ class Scheduler:
                 request.num_cached_host_tokens = prefix.num_host_tokens - prefix.num_disk_tokens
                 request.num_cached_disk_tokens = prefix.num_disk_tokens
             request.num_computed_tokens = prefix.num_tokens
+            request.num_tokens_at_start = request.num_tokens
             request.status = RequestStatus.RUNNING
             self.policy.started(request)
             self.running.append(request)
@@ -190,6 +202,15 @@ class Scheduler:
         # An empty step is not launched: its host-tier copies wait for the next one that is.
         return SchedulerOutput(rows, tuple(preempted), tuple(copies),
                                self.blocks.drain_transfers() if rows else NO_TRANSFERS)
+
+    def _rope_min_length(self, request: Request) -> int:
+        """A request that started past the switch length (recompute_past) is long for rope at every position."""
+        limit = self.limits.recompute_past
+        return request.num_tokens_at_start if limit is not None and request.num_tokens_at_start > limit else 0
+
+    def _grew_past_switch(self, request: Request) -> bool:
+        limit = self.limits.recompute_past
+        return limit is not None and request.num_tokens_at_start <= limit < request.num_tokens
 
     def _next_waiting(self) -> Request | None:
         """The waiting request that may start next: the head of the queue, passing over requests whose prefix
@@ -257,7 +278,7 @@ class Scheduler:
         if request.beams is not None:
             return [ScheduledRequest(table_id, tuple(request.beams.token_slice(k, request.prompt_token_ids, start, end)),
                                      start, self.blocks.block_table(table_id), request.num_prompt_tokens,
-                                     num_sampled, request.lora_int_id)
+                                     num_sampled, request.lora_int_id, self._rope_min_length(request))
                     for k, table_id in enumerate(request.table_ids)]
         tokens = request.token_slice(start, known_end)
         if end > known_end:
@@ -270,6 +291,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_sampled=num_sampled,
             lora_int_id=request.lora_int_id,
+            rope_min_length=self._rope_min_length(request),
         )]
 
     def _preempt(self, request: Request) -> None:

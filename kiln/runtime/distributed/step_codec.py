@@ -63,7 +63,7 @@ INT64_END = 2 ** 63  # block-table stamps
 # run are scheduled every step; one that sat out longer gets its table sent whole again).
 LEDGER_STEPS = 32
 _STEP_KEYS = frozenset({"kind", "v", "ids", "ntok", "tokens", "start", "nprompt", "nsampled", "stamp", "nblk",
-                        "have", "blocks", "preempted", "targets", "lora", "copies", "kv"})
+                        "have", "blocks", "preempted", "targets", "lora", "copies", "kv", "ropemin"})
 _STOP_KEYS = frozenset({"kind", "v"})
 _START_KEYS = frozenset({"kind", "v", "engine_dir", "runtime", "launch", "kv_cache_scales", "log_level"})
 # The wire form of each RuntimeConfig / RankLaunch field; a field added there without one here is refused by
@@ -124,7 +124,7 @@ class StepEncoder:
             raise StepCodecError("a step with a TokenFeed cannot be sent to other ranks: its tokens are on rank "
                                  "0's device (a tensor-parallel executor does not accept token feeds)")
         requests = step.schedule.requests
-        ids, ntok, tokens, start, nprompt, nsampled, stamps, nblk, have, blocks, lora = ([] for _ in range(11))
+        ids, ntok, tokens, start, nprompt, nsampled, stamps, nblk, have, blocks, lora, ropemin = ([] for _ in range(12))
         held = self._ledger.tables
         sent: dict[int, int] = {}  # this step's ledger updates, applied once the message is made
         for r in requests:
@@ -135,6 +135,7 @@ class StepEncoder:
             nprompt.append(r.num_prompt_tokens)
             nsampled.append(r.num_sampled)
             lora.append(r.lora_int_id)
+            ropemin.append(r.rope_min_length)
             table = r.block_ids
             n = len(table)
             stamp = table.stamp if isinstance(table, BlockTable) else 0
@@ -159,7 +160,7 @@ class StepEncoder:
             data = _DUMPS({"kind": "step", "v": FORMAT_VERSION, "ids": ids, "ntok": ntok, "tokens": tokens,
                            "start": start, "nprompt": nprompt, "nsampled": nsampled, "stamp": stamps, "nblk": nblk,
                            "have": have, "blocks": blocks, "preempted": list(step.schedule.preempted_ids),
-                           "targets": targets, "lora": lora,
+                           "targets": targets, "lora": lora, "ropemin": ropemin,
                            "copies": [b for pair in step.schedule.block_copies for b in pair],
                            "kv": _encode_transfers(step.schedule.kv_transfers)}).encode()
         except (TypeError, ValueError) as e:  # e.g. a numpy integer among the token ids
@@ -200,6 +201,7 @@ class StepDecoder:
         nprompt = int_list(message, "nprompt", 0, INT32_END, n)
         nsampled = int_list(message, "nsampled", 0, INT32_END, n)
         lora = int_list(message, "lora", 0, INT32_END, n)
+        ropemin = int_list(message, "ropemin", 0, INT32_END, n)
         stamps = int_list(message, "stamp", 0, INT64_END, n)
         nblk = int_list(message, "nblk", 0, INT32_END, n)
         have = int_list(message, "have", 0, INT32_END, n)
@@ -248,7 +250,8 @@ class StepDecoder:
                     held.move_to_end(stamp)
             t_end = t + ntok[i]
             requests.append(ScheduledRequest(ids[i], tuple(tokens[t:t_end]), start[i],
-                                             BlockTable(ids_list, count, stamp), nprompt[i], nsampled[i], lora[i]))
+                                             BlockTable(ids_list, count, stamp), nprompt[i], nsampled[i], lora[i],
+                                             ropemin[i]))
             t, b = t_end, b_end
         ledger.end_step()
         return StepInput(SchedulerOutput(tuple(requests), tuple(preempted),

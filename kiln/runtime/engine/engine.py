@@ -11,6 +11,7 @@ import itertools
 import threading
 from typing import TYPE_CHECKING
 
+from kiln.model_defs.rope_params import rope_switch_length
 from kiln.runtime.core.block_manager import BlockManager
 from kiln.runtime.core.capacity import capacity_policy
 from kiln.runtime.core.lora_request import LoRARequest
@@ -55,7 +56,8 @@ class LLMEngine:
         self.runtime = runtime = dataclasses.replace(runtime, num_kv_blocks=executor.num_kv_blocks)
         self.block_manager = BlockManager(runtime.num_kv_blocks, runtime.block_size, runtime.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerLimits(runtime.max_batch_size, runtime.max_num_tokens,
-                                                   runtime.max_loras if runtime.enable_lora else None),
+                                                   runtime.max_loras if runtime.enable_lora else None,
+                                                   rope_switch_length(self.model_config.rope, runtime.max_seq_len)),
                                    self.block_manager,
                                    capacity_policy(runtime.capacity_scheduler_policy, self.block_manager))
         self.sampler = Sampler()

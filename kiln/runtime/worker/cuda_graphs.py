@@ -81,7 +81,7 @@ def decode_batch(step: SchedulerOutput, block_size: int, model: CausalLM,
         p = r.start_position
         ids.append(r.token_ids[0])
         positions.append(p)
-        rope_lengths.append(rope_length(p, r.num_prompt_tokens))
+        rope_lengths.append(rope_length(p, max(r.num_prompt_tokens, r.rope_min_length)))
         slots.append(slot_of(r.block_ids, p, block_size))
         tables.append(r.block_ids)
     if model.needs_per_length_rope(max(rope_lengths)):

@@ -51,7 +51,7 @@ class PrefillBatch:
 
     input_ids: tuple[int, ...]
     start: int
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # what rope counts positions from: the prompt length, or a larger rope_min_length
     block_table: tuple[int, ...] | list[int]
     num_sampled: int
 
@@ -72,9 +72,10 @@ def prefill_batch(step: SchedulerOutput, model: CausalLM, prompt_logprob_targets
         return None
     if feed is not None and feed.rows[0] >= 0:
         return None
-    if model.needs_per_length_rope(max(r.start_position + n, r.num_prompt_tokens)):
+    rope_prompt = max(r.num_prompt_tokens, r.rope_min_length)  # the length rope_lengths_of counts from
+    if model.needs_per_length_rope(max(r.start_position + n, rope_prompt)):
         return None
-    return PrefillBatch(r.token_ids, r.start_position, r.num_prompt_tokens, r.block_ids, r.num_sampled)
+    return PrefillBatch(r.token_ids, r.start_position, rope_prompt, r.block_ids, r.num_sampled)
 
 
 class PrefillGraphs:

@@ -127,7 +127,7 @@ def pack_step(step: SchedulerOutput, block_size: int, kv_caches: tuple[LayerCach
         start, stop = r.start_position, r.start_position + n
         input_ids.extend(r.token_ids)
         positions.extend(range(start, stop))
-        rope_lengths.extend(rope_lengths_of(start, stop, r.num_prompt_tokens))
+        rope_lengths.extend(rope_lengths_of(start, stop, max(r.num_prompt_tokens, r.rope_min_length)))
         slots.extend(slots_of(r.block_ids, start, stop, block_size))
         end += n
         sample_rows.extend(range(end - r.num_sampled, end))

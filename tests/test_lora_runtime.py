@@ -27,9 +27,11 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    
 MAX_TOKENS = 8
 
 
-def _code(path: str) -> str:
-    """A slice of kiln's own code to fine-tune an adapter on."""
-    return (BUNDLED.parent.parent / path).read_text()[:6000]
+def _code(part: int) -> str:
+    """6,000 characters of the held-out code sample to fine-tune an adapter on: a text that never changes (kiln's
+    own source did, and a new adapter may then make EOS the greedy token, which transformers' min_new_tokens masks
+    and ignore_eos does not)."""
+    return (BUNDLED.parent / "heldout-sample.txt").read_text()[6000 * part:6000 * (part + 1)]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +39,9 @@ def setup(tmp_path_factory):
     """(adapter dirs by id, expected (tokens, logprobs) per (prompt, id); id 0 is the base model)."""
     root = tmp_path_factory.mktemp("lora-runtime")
     base = transformers.AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
-    dirs = {1: train_adapter(base, root / "a8", _code("kiln/runtime/core/scheduler.py"), r=8, lora_alpha=16,
+    dirs = {1: train_adapter(base, root / "a8", _code(0), r=8, lora_alpha=16,
                              target_modules=["q_proj", "v_proj", "down_proj"]),
-            2: train_adapter(base, root / "a16", _code("kiln/serve/metrics.py"), r=16, lora_alpha=8, use_rslora=True,
+            2: train_adapter(base, root / "a16", _code(1), r=16, lora_alpha=8, use_rslora=True,
                              target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])}
     tokenizer = transformers.AutoTokenizer.from_pretrained(BUNDLED)
     return dirs, peft_greedy(base, dirs, PROMPTS, tokenizer, MAX_TOKENS)

@@ -53,6 +53,45 @@ def make_checkpoint(path: Path, architecture: str = "LlamaForCausalLM", *, seed:
     return path, model
 
 
+def randomized_checkpoint(path: Path, architecture: str, **overrides) -> tuple[Path, transformers.PreTrainedModel]:
+    """`make_checkpoint`'s model with every 1-d tensor (biases, norm weights) randomized before it is saved:
+    transformers starts them at 0 and 1, which would hide a bias or norm weight kiln reads from the wrong place.
+    The model families' parity tests start from it."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = _CONFIG_CLASSES[architecture](**{**BASE, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * torch.randn_like(param))
+    model.save_pretrained(path)
+    make_test_tokenizer(path)
+    return path, model
+
+
+def hf_prompt_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> list[float]:
+    """transformers' logprob of each prompt token after the first, from one forward pass."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    return logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+def build_case(name: str, cases: dict, tmp_path_factory, limits: dict, make=randomized_checkpoint):
+    """A family test's `case` fixture value: (name, checkpoint, engine, hf model) for `cases[name]` =
+    (architecture, config overrides), the checkpoint made by `make` and built with `limits`."""
+    from kiln.builder.build import build_engine
+    from kiln.builder.build_config import BuildConfig
+
+    architecture, overrides = cases[name]
+    tmp = tmp_path_factory.mktemp(name)
+    checkpoint, model = make(tmp / "ckpt", architecture, **overrides)
+    engine = build_engine(checkpoint, tmp / "engine", BuildConfig(**limits), progress=False)
+    return name, checkpoint, engine, model
+
+
 def hf_greedy(model: transformers.PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate, EOS ignored, as the reference."""
     ids = torch.tensor([prompt_ids])

@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from model_factory import _CONFIG_CLASSES, BASE, hf_greedy
-from tokenizer_factory import make_test_tokenizer
+from model_factory import (
+    BASE,
+    build_case,
+    hf_greedy,
+    hf_prompt_logprobs,
+    randomized_checkpoint,
+)
 
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
@@ -52,37 +57,18 @@ CASES = {
 def make_checkpoint(path: Path, architecture: str, **overrides) -> tuple[Path, transformers.PreTrainedModel]:
     """A tiny checkpoint with every 1-d tensor randomized (norm weights near 1, V3's e_score_correction_bias
     large enough to change the choice): transformers starts them at 1 and 0, which would hide a misread."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = _CONFIG_CLASSES[architecture](**{**BASE, **overrides})
-    config.architectures = [architecture]
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config).eval()
+    path, model = randomized_checkpoint(path, architecture, **overrides)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.3 * torch.randn_like(buffer))
     model.save_pretrained(path)
-    make_test_tokenizer(path)
     return path, model
-
-
-def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-    return logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    architecture, overrides = CASES[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    checkpoint, model = make_checkpoint(tmp / "ckpt", architecture, **overrides)
-    engine = build_engine(checkpoint, tmp / "engine", BuildConfig(**LIMITS), progress=False)
-    return request.param, checkpoint, engine, model
+    return build_case(request.param, CASES, tmp_path_factory, LIMITS, make_checkpoint)
 
 
 def test_greedy_tokens_and_prompt_logprobs_match_transformers(case):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from model_factory import BASE, hf_greedy
+from model_factory import BASE, hf_greedy, hf_prompt_logprobs
 from tokenizer_factory import make_test_tokenizer
 
 from kiln.builder.build import BuildError, build_engine
@@ -55,13 +55,6 @@ def make_checkpoint(path: Path, **overrides) -> tuple[Path, transformers.PreTrai
     model.save_pretrained(path)
     make_test_tokenizer(path)
     return path, model
-
-
-def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-    return logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 
 @pytest.fixture(scope="module")

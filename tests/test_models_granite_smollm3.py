@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from model_factory import BASE, hf_greedy
+from model_factory import BASE, build_case, hf_greedy
 
 # The parity tests themselves are the Starcoder2 / OLMo 2 file's, run here on this file's `case` fixture.
 from test_models_starcoder2_olmo2 import (  # noqa: F401
@@ -49,11 +49,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    architecture, overrides = CASES[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    checkpoint, model = make_checkpoint(tmp / "ckpt", architecture, **overrides)
-    engine = build_engine(checkpoint, tmp / "engine", BuildConfig(**LIMITS), progress=False)
-    return request.param, checkpoint, engine, model
+    return build_case(request.param, CASES, tmp_path_factory, LIMITS, make_checkpoint)
 
 
 def test_config_is_read_as_transformers_reads_it(case):

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from model_factory import hf_greedy, hf_perplexity, make_checkpoint
+from model_factory import hf_greedy, hf_perplexity, hf_prompt_logprobs, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from kiln.bench.perplexity import perplexity
@@ -185,14 +185,6 @@ CASES = {  # name: (format, write_quantized options, what engine.json records be
     "gptq-8bit-asym-desc-act-v2": ("gptq", dict(bits=8, act_order=True, v1=False),
                                    dict(bits=8, group_size=32, zero_point=True, act_order=True)),
 }
-
-
-def hf_prompt_logprobs(model, prompt: list[int]) -> list[float]:
-    """transformers' log-probability of each prompt token after the first, given the ones before it."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-    return logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

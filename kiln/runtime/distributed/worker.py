@@ -21,6 +21,7 @@ from kiln.runtime.distributed.lora_sync import apply_on_worker
 from kiln.runtime.distributed.rank import join, rank_runtime, start_runner
 from kiln.runtime.distributed.step_codec import StepDecoder
 from kiln.runtime.worker.engine_loader import RuntimeConfig, engine_info, open_engine_spec
+from kiln.runtime.worker.heap import freeze_startup_heap
 from kiln.runtime.worker.model_step import StepInput
 
 logger = logging.getLogger("kiln.runtime")
@@ -44,6 +45,7 @@ def run_worker(engine_dir: str | Path, runtime: RuntimeConfig, launch: RankLaunc
         # detokenizes.
         info = engine_info(open_engine_spec(engine_dir, sha256_by_caller=True), tokenizer=False)
         runner = start_runner(info, runtime, groups, kv_cache_scales)
+        freeze_startup_heap()  # as rank 0 does when ready: the collector's full passes skip what startup made
         _watch_rank0(groups)
         receive = groups.receive_step if steps is None else steps.receive
         decoder = StepDecoder()  # checks every message against the step schema (never unpickles)

@@ -28,6 +28,7 @@ from kiln.runtime.worker.engine_loader import (
     resolve_runtime,
 )
 from kiln.runtime.worker.executor import Executor, LocalExecutor
+from kiln.runtime.worker.heap import freeze_startup_heap
 from kiln.runtime.worker.kernel_store import install_engine_kernels
 
 logger = logging.getLogger("kiln.runtime")
@@ -126,6 +127,7 @@ def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None)
     # An engine dropped without shutdown() (a notebook's `del llm`) still stops a tensor-parallel engine's
     # ranks and leaves its groups: on the engine, not the executor, whose watcher thread keeps it alive.
     weakref.finalize(engine, release_executor, executor, speculator)
+    freeze_startup_heap()  # the collector's full passes would otherwise walk all of it under load (heap.py)
     logger.info("engine %s (%s, %s, %s) ready in %.2fs: %s", info.spec.engine_dir, info.spec.architecture,
                 info.config.build.dtype, runtime.device, time.perf_counter() - start, startup.summary())
     return engine

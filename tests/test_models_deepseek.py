@@ -217,7 +217,7 @@ def test_mtp_layers_are_left_unread_and_the_config_is_read(tmp_path):
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     config = load_engine_spec(engine).model_config
     assert config["mla"] == {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-                             "v_head_dim": 12, "rope_interleave": True}
+                             "v_head_dim": 12, "rope_interleave": True, "fp8_block_size": None}
     assert config["moe"]["sparse_layers"] == [False, True, True]
     assert config["moe"]["routing"] == {"scoring": "sigmoid", "topk_method": "noaux_tc", "n_group": 4,
                                         "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
@@ -239,7 +239,8 @@ def test_what_is_not_done_is_refused_by_name(tmp_path):
         get_model_def(architecture).parse_config({**raw, "topk_method": "noaux_tc"})
     with pytest.raises(ModelConfigError, match="n_routed_experts=8 is not a multiple of n_group=3"):
         get_model_def(architecture).parse_config({**raw, "topk_method": "group_limited_greedy", "n_group": 3})
-    with pytest.raises(ModelConfigError, match="pre-quantized checkpoints \\(fp8\\) are not supported with MLA"):
+    with pytest.raises(ModelConfigError, match="pre-quantized checkpoints \\(fp8, no weight_block_size\\) are not "
+                                               "supported with MLA"):
         get_model_def(architecture).parse_config({**raw, "quantization_config": {"quant_method": "fp8"}})
 
 

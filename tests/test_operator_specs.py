@@ -23,9 +23,9 @@ from kiln.plugins._triton import USE_TRITON
 _OPS = ("silu_and_mul", "paged_attention", "fp8_block_linear", "write_kv_cache", "fused_moe", "rms_norm",
         "fused_add_rms_norm", "scaled_linear", "weight_only_linear", "rotary_embedding",
         "rotary_embedding_and_write_kv", "rms_norm_quant", "fused_add_rms_norm_quant", "silu_and_mul_quant",
-        "scaled_linear_quantized", "weight_only_linear_parts", "lora_add", "mla_attention")
+        "scaled_linear_quantized", "weight_only_linear_parts", "lora_add", "mla_attention", "fused_moe_mxfp4")
 _PLUGIN_MODULES = ("activation", "attention", "fp8_block_linear", "kv_cache", "moe", "norm", "norm_quant",
-                   "quant_linear", "rotary", "rotary_kv", "weight_only_parts", "lora", "mla_attention")
+                   "quant_linear", "rotary", "rotary_kv", "weight_only_parts", "lora", "mla_attention", "mxfp4_moe")
 
 
 def _kiln_specs() -> dict[str, OpSpec]:

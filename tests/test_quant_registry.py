@@ -20,6 +20,7 @@ OWNERS = {
     "fp8": "kiln.quant.fp8",
     "fp8_dynamic": "kiln.quant.fp8",
     "fp8_block": "kiln.quant.fp8_block",
+    "mxfp4": "kiln.quant.mxfp4",
     "int8_sq": "kiln.quant.int8_sq",
     "int8_dynamic": "kiln.quant.int8_sq",
     "int4_awq": "kiln.quant.int4_awq",
@@ -48,7 +49,7 @@ def test_the_old_tuples_are_the_registry_views():
     assert formats.QFORMATS == tuple(s.name for s in every if s.buildable)
     assert formats.QFORMATS == ("full_prec", "fp8", "int8_sq", "int4_awq", "int8_wo", "int4_wo")
     assert formats.CHECKPOINT_SCHEMES == tuple(s.name for s in every if not s.buildable)
-    assert formats.CHECKPOINT_SCHEMES == ("fp8_dynamic", "fp8_block", "int8_dynamic", "weight_only")
+    assert formats.CHECKPOINT_SCHEMES == ("fp8_dynamic", "fp8_block", "int8_dynamic", "weight_only", "mxfp4")
     assert formats.ENGINE_SCHEMES == formats.QFORMATS + formats.CHECKPOINT_SCHEMES
     assert formats.GROUPED == tuple(s.name for s in every if s.grouped) == ("int4_awq", "int4_wo")
     assert formats.CALIBRATED == tuple(s.name for s in every if s.calibrated) == ("fp8", "int8_sq", "int4_awq")

@@ -29,3 +29,33 @@ def run_interpreted(script: str, timeout: float = 600) -> str:
     if proc.returncode:
         pytest.fail(f"interpreted kernel check failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
+
+
+# A script prelude (run_interpreted's scripts start with it to run a whole engine through the GPU path on the CPU):
+# every op with a CUDA kernel calls that kernel for CPU tensors too (Triton's interpreter runs it), and the
+# wrappers stop taking their reference shortcut for CPU tensors (plan-less, as on CUDA). `KERNELS_RAN` collects
+# the names of the ops whose kernel ran.
+KERNELS_FOR_CPU_TENSORS = """
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+import kiln.plugins as _plugins
+from kiln.plugins import _eager
+
+KERNELS_RAN = set()
+
+
+def _kernel_for_tensor(self, t):
+    kernel = self._kernels.get("cuda")
+    if kernel is None:
+        return self.reference
+    KERNELS_RAN.add(self.name)
+    return kernel
+
+
+_eager.KernelOp.for_tensor = _kernel_for_tensor
+for _info in _pkgutil.iter_modules(_plugins.__path__):
+    _module = _importlib.import_module(f"kiln.plugins.{_info.name}")
+    if hasattr(_module, "runs_reference_directly"):
+        _module.runs_reference_directly = lambda t: False
+"""

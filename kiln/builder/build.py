@@ -57,6 +57,7 @@ from .quantize import (
     plan_quantization,
     quant_spec,
     read_checkpoint_kv_cache,
+    recipe_specs,
     run_calibration,
 )
 from .quantize import producer as quant_producer
@@ -356,7 +357,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, config: Bui
         try:
             if plan is not None:
                 run_calibration(plan, checkpoint, model_config)
-            produce, kind = _producer(config, reader, model_def, model_config, float_specs, plan)
+            produce, kind = _producer(config, reader, model_def, model_config, recipe_specs(plan, float_specs, specs), plan)
             ranks = range(0 if config.weights_at_load else mapping.num_ranks)  # drawn at load: no weight files
             label = "rank0" if mapping.num_ranks == 1 else f"rank0..rank{mapping.num_ranks - 1}"
             written = write_safetensors_split(

@@ -55,6 +55,9 @@ class BuildConfig:
     # it anyway with a warning naming the tensor (--allow-non-finite)
     allow_non_finite: bool = False
     max_beam_width: int = 1  # beams a beam-search request may have (TensorRT-LLM's --max_beam_width)
+    # A pre-quantized checkpoint whose format allows it (MXFP4: GPT-OSS's experts) is dequantized to the engine
+    # dtype at build instead of kept in its format (--dequantize)
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kiln.checkpoints.prequant.base import CheckpointQuantization
+from kiln.checkpoints.prequant.mxfp4 import Mxfp4Checkpoint
 from kiln.model_defs import ModelConfig, ModelDef
 from kiln.quant.base import QuantConfig, QuantError
 from kiln.quant.calib_data import DEFAULT_CALIB_SIZE, CalibrationTexts, read_calibration_texts
@@ -34,6 +35,7 @@ from kiln.quant.rounding import FP8_MAX, int_max
 from kiln.quant.spec import QuantSpec
 
 from .build_config import BuildConfig
+from .safetensors_writer import TensorSpec
 
 logger = logging.getLogger("kiln.builder")
 
@@ -72,6 +74,12 @@ def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: Mo
         raise QuantError(f"--kv-cache-dtype {config.kv_cache_dtype} is not supported with multi-head latent "
                          f"attention (MLA, {model_config.architecture}) yet: its latent cache stays in the engine "
                          f"dtype; build without --kv-cache-dtype")
+    moe = model_config.moe
+    if checkpoint_format is None and config.dummy_weights and moe is not None and moe.mxfp4_experts and not (
+            config.dequantize or config.quantizes):  # dummy weights of an MXFP4 config: its checkpoint's engine
+        checkpoint_format = Mxfp4Checkpoint()
+    if config.dequantize:
+        checkpoint_format = _dequantized(config, checkpoint_format)  # None: a float engine
     if checkpoint_format is not None:
         if config.quantizes:
             flags = [f"--qformat {config.qformat.name}"] * (config.qformat.name != "full_prec") + \
@@ -81,6 +89,10 @@ def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: Mo
                              f"or quantize the unquantized checkpoint")
         quant = checkpoint_format.quant_spec().quant_config()
         layers = {} if quant is None else quantized_layers(model_def, model_config, quant, dtype)
+        if model_config.mla is not None and model_config.mla.fp8_block_size is not None:
+            logger.info("%s: kv_b_proj (absorbed into MLA's query and output) and the routed experts (the fused MoE "
+                        "operator takes float experts) are dequantized to %s at build; the other linears stay FP8",
+                        checkpoint_format.name, str(dtype).removeprefix("torch."))
         return QuantPlan(config, quant, layers, False, None, checkpoint_format=checkpoint_format)
     if not config.quantizes:
         return None
@@ -94,6 +106,22 @@ def plan_quantization(config: BuildConfig, model_def: ModelDef, model_config: Mo
                        " with --dummy-weights" if config.dummy_weights else "")
     data = read_calibration_texts(config.calib_dataset) if wants else None
     return QuantPlan(config, quant, layers, wants, data)
+
+
+def _dequantized(config: BuildConfig, checkpoint_format: CheckpointQuantization | None) -> None:
+    """--dequantize: the checkpoint's quantized weights are dequantized by the model's recipes into the engine
+    dtype (the format is dropped), for the formats that allow it (`dequantizable`: MXFP4); QuantError for the
+    others and for a checkpoint with nothing to dequantize."""
+    if checkpoint_format is None:
+        if config.dummy_weights:
+            return None  # no checkpoint is read: a float engine either way
+        raise QuantError("--dequantize: the checkpoint is not quantized (config.json has no quantization_config "
+                         "kiln reads), so there is nothing to dequantize; build without --dequantize")
+    if not getattr(checkpoint_format, "dequantizable", False):
+        raise QuantError(f"--dequantize reads MXFP4 checkpoints (GPT-OSS) only; this checkpoint is "
+                         f"{checkpoint_format.name}, which kiln keeps in its format: build without --dequantize")
+    logger.info("--dequantize: %s dequantized to the engine dtype at build", checkpoint_format.name)
+    return None
 
 
 def run_calibration(plan: QuantPlan, checkpoint: Path, model_config: ModelConfig) -> None:
@@ -123,14 +151,39 @@ def producer(plan: QuantPlan, model_def: ModelDef, model_config: ModelConfig,
                 raise KeyError(name)
             return read(name)
 
-        return QuantizedProducer(plan.layers, lambda prefix, layer: fmt.layer_tensors(prefix, layer, modules[prefix],
-                                                                                      read_part), float_tensor)
+        orders = row_orders(model_def, model_config, plan.layers)
+
+        def make_layer(prefix: str, layer) -> dict[str, torch.Tensor]:
+            tensors = fmt.layer_tensors(prefix, layer, modules[prefix], read_part)
+            return tensors if prefix not in orders else fmt.reorder_rows(prefix, tensors, orders[prefix])
+
+        return QuantizedProducer(plan.layers, make_layer, float_tensor)
     if read is None:
         parts = dummy_parts(float_tensor)
     else:
         linears = plan.result.linears if plan.result is not None and plan.layers else None
         parts = CheckpointParts(model_def, model_config, plan.layers, read, linears)
     return QuantizedProducer(plan.layers, quantize_parts(parts), float_tensor)
+
+
+def row_orders(model_def: ModelDef, model_config: ModelConfig, layers: dict) -> dict[str, torch.Tensor]:
+    """The quantized layers whose weight recipe transforms the checkpoint's rows (DeepSeek's rope rows), each with
+    the row order it makes ([N] int64: engine row i is checkpoint row order[i]), found by running the transform on
+    the row indices. QuantError for a transform of a fused layer or one that is not a reordering of rows."""
+    recipes = model_def.recipes(model_config, [f"{prefix}.weight" for prefix in layers])
+    orders = {}
+    for prefix, layer in layers.items():
+        recipe = recipes[f"{prefix}.weight"]
+        if recipe.transform is None:
+            continue
+        rows = layer.out_features
+        order = recipe.transform(f"{prefix}.weight", recipe.parts[0], torch.arange(rows)[:, None]).reshape(-1) \
+            if len(recipe.parts) == 1 else None
+        if order is None or not torch.equal(order.sort().values, torch.arange(rows)):
+            raise QuantError(f"{prefix}: the model transforms this layer's checkpoint weight at build in a way a "
+                             f"pre-quantized checkpoint cannot follow exactly (only a reordering of one part's rows)")
+        orders[prefix] = order
+    return orders
 
 
 def checkpoint_tensors(plan: QuantPlan, model_def: ModelDef, model_config: ModelConfig) -> tuple[set[str], set[str]]:
@@ -141,6 +194,15 @@ def checkpoint_tensors(plan: QuantPlan, model_def: ModelDef, model_config: Model
     replaced = {f"{prefix}.weight" for prefix in plan.layers}
     used = {name for ms in modules.values() for m in ms for name in fmt.module_tensors(m)}
     return replaced, used | set(fmt.kv_scale_tensors(model_config.num_layers))
+
+
+def recipe_specs(plan: QuantPlan | None, float_specs: list[TensorSpec], specs: list[TensorSpec]) -> list[TensorSpec]:
+    """The tensors the checkpoint's recipes make: the float network's, plus those only the quantized network
+    declares outside its quantized linear layers (an MXFP4 engine's experts: `weight_blocks`, `weight_scales`)."""
+    if plan is None:
+        return float_specs
+    known = {s.name for s in float_specs}
+    return float_specs + [s for s in specs if s.name not in known and s.name.rpartition(".")[0] not in plan.layers]
 
 
 def read_checkpoint_kv_cache(plan: QuantPlan, read: Callable[[str], torch.Tensor], names: set[str],

@@ -66,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(per-layer scales) and hold twice the tokens of a 16-bit cache (default: auto)")
     q.add_argument("--awq-block-size", type=int, default=128,
                    help="group size (input columns per scale) of int4_awq and int4_wo (default: 128)")
+    q.add_argument("--dequantize", action="store_true",
+                   help="dequantize a pre-quantized checkpoint's weights to --dtype at build instead of keeping "
+                        "them in its format; for MXFP4 checkpoints (GPT-OSS's experts, kept MXFP4 by default)")
     q.add_argument("--calib-dataset", default=None, metavar="FILE", help=CALIB_HELP)
     q.add_argument("--calib-size", type=int, default=None,
                    help="calibration samples; fewer than asked is warned about (default: up to 512, as many as "
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                          calib_max_seq_len=args.calib_max_seq_len, tp_size=args.tp_size,
                          tune=not args.no_tune, allow_non_finite=args.allow_non_finite,
                          kernels=args.device == "cuda" and not args.no_kernels,
-                         max_beam_width=args.max_beam_width)
+                         max_beam_width=args.max_beam_width, dequantize=args.dequantize)
     start = time.perf_counter()
     out = build_engine(args.checkpoint, args.output, config)
     dtype = json.loads((out / "engine.json").read_text())["build_config"]["dtype"]

@@ -119,7 +119,8 @@ class MoEConfig:
     bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
-    # The checkpoint's expert weights are MXFP4 (model_defs/mxfp4.py), dequantized at build to the engine dtype
+    # The checkpoint's expert weights are MXFP4 (plugins/mxfp4.py): kept so in the engine (kiln.quant.mxfp4), or
+    # dequantized at build to the engine dtype (--dequantize)
     mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:

@@ -8,6 +8,10 @@ num_kv_heads = num_heads; `ModelConfig.mla` holds the latent sizes, from which t
 
 V3's multi-token-prediction layers (`num_nextn_predict_layers`, checkpoint layers past num_hidden_layers) are
 not part of the network: their tensors are left unread (the builder lists them as unused).
+
+A block-scaled FP8 checkpoint (quant_method "fp8" with weight_block_size, V3's release) builds an `fp8_block`
+engine: q_a_proj / q_b_proj (or q_proj), kv_a_proj_with_mqa, o_proj, the dense MLPs and the shared experts stay
+FP8; kv_b_proj (absorbed into the query and output) and the routed experts are dequantized at build.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, ModelConfigError, MoEConfig, parse_decoder_config, required
+from .fp8_block import DequantizeFp8Block, with_scales
 from .layers import DecoderForCausalLM, LinearFactory, MLPFactory
 from .layers.decoder import DecoderLayer, NormFactory
 from .layers.deepseek_moe import deepseek_mlp
@@ -34,11 +39,7 @@ from .registry import ModelDef, register
 def _parse_deepseek(raw: dict[str, Any], routing: GroupedRouting) -> ModelConfig:
     heads = required(raw, "num_attention_heads")
     rope_dim = required(raw, "qk_rope_head_dim")
-    if raw.get("quantization_config") is not None:
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(
-            raw["quantization_config"], dict) else "?"
-        raise ModelConfigError(f"{raw['architectures'][0]}: pre-quantized checkpoints ({method}) are not supported "
-                               f"with MLA yet; convert to BF16 first")
+    fp8_block = _fp8_block_size(raw)
     # head_dim is the rope part (rotary tables); every head has its own k and v (num_kv_heads = num_heads)
     config = parse_decoder_config({**raw, "head_dim": rope_dim, "num_key_value_heads": heads,
                                    "mlp_bias": False}, qkv_bias=False,
@@ -46,7 +47,7 @@ def _parse_deepseek(raw: dict[str, Any], routing: GroupedRouting) -> ModelConfig
     mla = MLAConfig(q_lora_rank=raw.get("q_lora_rank") or 0, kv_lora_rank=required(raw, "kv_lora_rank"),
                     qk_nope_head_dim=required(raw, "qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
                     v_head_dim=required(raw, "v_head_dim"),
-                    rope_interleave=bool(raw.get("rope_interleave", True)))
+                    rope_interleave=bool(raw.get("rope_interleave", True)), fp8_block_size=fp8_block)
     layers = config.num_layers
     dense = raw.get("first_k_dense_replace") or 0
     experts = raw.get("n_routed_experts")
@@ -59,6 +60,25 @@ def _parse_deepseek(raw: dict[str, Any], routing: GroupedRouting) -> ModelConfig
                     renormalize=False, sparse_layers=sparse,
                     shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts") or 0), routing=routing)
     return dataclasses.replace(config, mla=mla, moe=moe)
+
+
+def _fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
+    """The checkpoint's FP8 weight_block_size (None for a float checkpoint); ModelConfigError for any other
+    pre-quantized format. The rest of quantization_config is checked by checkpoints/prequant/fp8_block.py."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method", "?") if isinstance(config, dict) else "?"
+    block = config.get("weight_block_size") if isinstance(config, dict) else None
+    if method != "fp8" or block is None:
+        what = f"{method}, no weight_block_size" if method == "fp8" else method
+        raise ModelConfigError(f"{raw['architectures'][0]}: pre-quantized checkpoints ({what}) are not supported "
+                               f"with MLA; supported: block-scaled FP8 (quant_method fp8 with weight_block_size, "
+                               f"DeepSeek-V3's release format), or convert to BF16 first")
+    if not isinstance(block, list | tuple) or len(block) != 2 or any(type(b) is not int or b <= 0 for b in block):
+        raise ModelConfigError(f"quantization_config.weight_block_size={block!r:.80} must be two positive integers "
+                               f"[rows, columns]")
+    return block[0], block[1]
 
 
 def _group_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +131,8 @@ class DeepseekForCausalLM(DecoderForCausalLM):
 
 _EXPERTS = expert_recipes("mlp", "gate_proj", "up_proj", "down_proj")
 _ROPE_ROWS = re.compile(r".*\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)")
+# Kept in float from a block-scaled FP8 checkpoint: dequantized at build.
+_DEQUANTIZED = re.compile(r".*\.(self_attn\.kv_b_proj|mlp\.experts\.gate_up|mlp\.experts\.down)\.weight")
 
 
 def _halves_rows(config: ModelConfig):
@@ -133,7 +155,9 @@ def _halves_rows(config: ModelConfig):
 
 def deepseek_recipes(config: ModelConfig, engine_names: Iterable[str]) -> dict[str, Recipe]:
     """Experts stacked (moe.py's recipes), everything else by name; with `rope_interleave` (DeepSeek's layout)
-    the rope rows of q and kv_a_proj_with_mqa reordered to halves at build."""
+    the rope rows of q and kv_a_proj_with_mqa reordered to halves at build (in a block-scaled FP8 checkpoint
+    within their row blocks: builder/quantize.py applies the same order to the FP8 rows). From a block-scaled FP8
+    checkpoint kv_b_proj and the routed experts are dequantized (fp8_block.py): the engine keeps them in float."""
     names = list(engine_names)
     recipes = _EXPERTS(config, names)
     if config.mla is not None and config.mla.rope_interleave:
@@ -141,6 +165,12 @@ def deepseek_recipes(config: ModelConfig, engine_names: Iterable[str]) -> dict[s
         for name in names:
             if _ROPE_ROWS.fullmatch(name):
                 recipes[name] = Recipe((name,), transform=transform)
+    block = None if config.mla is None else config.mla.fp8_block_size
+    if block is not None:
+        for name in names:
+            if _DEQUANTIZED.fullmatch(name):
+                recipe = recipes[name]
+                recipes[name] = Recipe(with_scales(recipe.parts), DequantizeFp8Block(block, recipe.combine))
     return recipes
 
 

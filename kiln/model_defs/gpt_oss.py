@@ -10,8 +10,10 @@ The shared decoder with `layers/moe.py`'s MLP factory; ModelConfig's `attention_
 turn them into kiln's [E, 2I, H] ([gate; up] rows) and [E, H, I].
 
 The released checkpoints store the experts' weights in MXFP4 (quantization_config.quant_method "mxfp4": tensors
-`*_blocks` and `*_scales`, mxfp4.py); their recipes dequantize them at build, so the engine holds the experts in
-its dtype (BF16) as it would from a BF16 checkpoint. Keeping them MXFP4 in the engine is not supported yet.
+`*_blocks` and `*_scales`, plugins/mxfp4.py). By default the engine keeps them so (kiln.quant.mxfp4: engine
+tensors `experts.{gate_up,down}.weight_blocks` / `weight_scales`, the recipes only putting gate_up's rows as
+[gate; up]); with `kiln build --dequantize` the recipes dequantize them and the engine holds the experts in its
+dtype (BF16) as it would from a BF16 checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from .mxfp4 import dequantize_mxfp4
 from .recipes import Recipe, fused_recipe
 from .registry import ModelDef, register
 
-_MOE = re.compile(r"(model\.layers\.\d+\.mlp)\.(gate|experts\.gate_up|experts\.down)\.(weight|bias)")
+_MOE = re.compile(r"(model\.layers\.\d+\.mlp)\.(gate|experts\.gate_up|experts\.down)\.(weight|bias|weight_blocks|"
+                  r"weight_scales)")
 
 
 def parse_gpt_oss(raw: dict[str, Any]) -> ModelConfig:
@@ -66,6 +69,11 @@ def _gate_up_bias(engine_name: str, part: str, t: torch.Tensor) -> torch.Tensor:
     return _interleaved_to_halves(t).contiguous()  # [E, 2I]
 
 
+def _interleaved_rows(engine_name: str, part: str, t: torch.Tensor) -> torch.Tensor:
+    # MXFP4 gate_up blocks [E, 2I, H / 32, 16] or scales [E, 2I, H / 32], rows gate, up alternating -> [gate; up]
+    return torch.cat([t[:, ::2], t[:, 1::2]], dim=1).contiguous()
+
+
 def _down_weight(engine_name: str, part: str, t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous()  # [E, I, H] -> [E, H, I]
 
@@ -86,7 +94,9 @@ class DequantizeMxfp4:
 
 def gpt_oss_recipes(config: ModelConfig, engine_names: Iterable[str]) -> dict[str, Recipe]:
     """The router is `mlp.router`, the experts' tensors `mlp.experts.{gate_up_proj,down_proj}[_bias]` (the weights
-    as `_blocks` and `_scales` in an MXFP4 checkpoint); the rest (with `self_attn.sinks`) as the Llama family's."""
+    as `_blocks` and `_scales` in an MXFP4 checkpoint: copied into an MXFP4 engine's `weight_blocks` /
+    `weight_scales`, dequantized into a float engine's `weight`); the rest (with `self_attn.sinks`) as the Llama
+    family's."""
     out = {}
     for name in engine_names:
         m = _MOE.fullmatch(name)
@@ -96,6 +106,10 @@ def gpt_oss_recipes(config: ModelConfig, engine_names: Iterable[str]) -> dict[st
         base, module, kind = m.groups()
         if module == "gate":
             out[name] = Recipe((f"{base}.router.{kind}",))
+        elif kind in ("weight_blocks", "weight_scales"):  # kept MXFP4 (kiln.quant.mxfp4)
+            proj = f"{base}.experts.{'gate_up_proj' if module == 'experts.gate_up' else 'down_proj'}"
+            out[name] = Recipe((f"{proj}_{kind[len('weight_'):]}",),
+                               transform=_interleaved_rows if module == "experts.gate_up" else None)
         elif kind == "weight" and config.moe.mxfp4_experts:
             proj = f"{base}.experts.{'gate_up_proj' if module == 'experts.gate_up' else 'down_proj'}"
             out[name] = Recipe((f"{proj}_blocks", f"{proj}_scales"), DequantizeMxfp4(module == "experts.gate_up"))
@@ -109,7 +123,4 @@ def gpt_oss_recipes(config: ModelConfig, engine_names: Iterable[str]) -> dict[st
     return out
 
 
-register(ModelDef("GptOssForCausalLM", parse_gpt_oss, DecoderForCausalLM, mlp=moe_mlp, recipes=gpt_oss_recipes,
-                  cuda_refusal="GptOssForCausalLM runs on the CPU only for now: its CUDA path (sink attention "
-                               "with the biased, clamped MoE kernels) does not match transformers yet; build "
-                               "and run it with --device cpu"))
+register(ModelDef("GptOssForCausalLM", parse_gpt_oss, DecoderForCausalLM, mlp=moe_mlp, recipes=gpt_oss_recipes))

@@ -26,7 +26,10 @@ class MLAConfig:
     kv_b_proj up-projects the latent to each head's k_nope [qk_nope_head_dim] and v [v_head_dim].
     q_lora_rank 0: queries come from q_proj directly (V2-Lite); else q_a_proj -> q_a_layernorm -> q_b_proj.
     rope_interleave: the checkpoint's rope rows come as interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
-    layout; transformers' V2 always, V3 when rope_interleave); the engine's are reordered to halves at build."""
+    layout; transformers' V2 always, V3 when rope_interleave); the engine's are reordered to halves at build.
+    fp8_block_size: the checkpoint's FP8 weight_block_size [rows, columns] when it is block-scaled FP8 (DeepSeek-V3's
+    release; None: a float checkpoint). Its linears stay FP8 in the engine; kv_b_proj (absorbed, read as a float
+    matrix) and the routed experts (the fused MoE operator takes float experts) are dequantized at build."""
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -34,8 +37,15 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool = True
+    fp8_block_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.fp8_block_size is not None:  # engine.json stores it as a list
+            block = self.fp8_block_size
+            if (not isinstance(block, list | tuple) or len(block) != 2
+                    or any(type(b) is not int or b <= 0 for b in block)):
+                raise ModelConfigError(f"fp8_block_size={block!r:.80} must be two positive integers [rows, columns]")
+            object.__setattr__(self, "fp8_block_size", tuple(block))
         check_count("q_lora_rank", self.q_lora_rank, "hidden_size", minimum=0)
         check_count("kv_lora_rank", self.kv_lora_rank, "hidden_size")
         for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

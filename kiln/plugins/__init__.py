@@ -8,6 +8,7 @@ from .kv_cache import write_kv_cache
 from .lora import lora_add
 from .mla_attention import mla_attention
 from .moe import fused_moe
+from .mxfp4_moe import fused_moe_mxfp4
 from .norm import fused_add_rms_norm, rms_norm
 from .norm_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
 from .quant_linear import scaled_linear, scaled_linear_quantized, weight_only_linear
@@ -18,4 +19,5 @@ from .weight_only_parts import weight_only_linear_parts
 __all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary_embedding",
            "rotary_embedding_and_write_kv", "scaled_linear", "silu_and_mul", "weight_only_linear",
            "write_kv_cache", "fp8_block_linear", "fused_moe", "fused_add_rms_norm_quant", "rms_norm_quant",
-           "silu_and_mul_quant", "scaled_linear_quantized", "weight_only_linear_parts", "lora_add", "mla_attention"]
+           "silu_and_mul_quant", "scaled_linear_quantized", "weight_only_linear_parts", "lora_add", "mla_attention",
+           "fused_moe_mxfp4"]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kiln.model_defs.layers.linear import Linear
+from kiln.quant.base import QuantError
 from kiln.quant.spec import QuantSpec
 
 # checkpoint tensor name -> tensor (lazily read from the checkpoint's files); KeyError for one it lacks
@@ -41,6 +42,13 @@ class CheckpointQuantization(ABC):
     def module_tensors(self, module: str) -> tuple[str, ...]:
         """The checkpoint tensor names a quantized module may be stored as (its weight and scales), which the
         builder does not report as unused; `layer_tensors` names any it needs and cannot find."""
+
+    def reorder_rows(self, prefix: str, tensors: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`layer_tensors`' result with the layer's output rows in `order` ([N] int64: engine row i is checkpoint
+        row order[i]), for a model that reorders a layer's rows at build (DeepSeek's rope rows). QuantError
+        unless the format can do it exactly; none can by default."""
+        raise QuantError(f"{prefix}: the model reorders this layer's rows at build, which kiln cannot do exactly "
+                         f"for {self.name}")
 
     def kv_cache_scales(self, read: ReadTensor, names: set[str],
                         num_layers: int) -> tuple[str, list[tuple[float, float]]] | None:

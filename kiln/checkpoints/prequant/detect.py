@@ -24,7 +24,7 @@ READERS = {
     "fp8": "kiln.checkpoints.prequant.fp8_block",
     "awq": "kiln.checkpoints.prequant.awq",
     "gptq": "kiln.checkpoints.prequant.gptq",
-    # GPT-OSS's MXFP4 experts, dequantized by the model's recipes: its reader returns None (a float engine).
+    # GPT-OSS's MXFP4 experts, kept MXFP4 (scheme mxfp4) or dequantized by the model's recipes (--dequantize).
     "mxfp4": "kiln.checkpoints.prequant.mxfp4",
 }
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -38,8 +38,7 @@ QUANTIZED_TENSOR_NAMES = frozenset({
 
 def detect_checkpoint_quantization(checkpoint: Path, raw_config: dict[str, Any],
                                    names: Iterable[str]) -> CheckpointQuantization | None:
-    """The checkpoint's format reader, None for a plain checkpoint (or one whose model dequantizes it at build:
-    mxfp4); QuantError (naming the file, field and
+    """The checkpoint's format reader, None for a plain checkpoint; QuantError (naming the file, field and
     value, and what kiln reads) for one kiln cannot read exactly."""
     names = set(names)
     config = raw_config.get("quantization_config")

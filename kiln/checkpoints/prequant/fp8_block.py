@@ -118,6 +118,18 @@ class Fp8BlockCheckpoint(CheckpointQuantization):
             scales.append(scale)
         return {"weight": torch.cat(weights).contiguous(), "weight_scale_inv": torch.cat(scales).contiguous()}
 
+    def reorder_rows(self, prefix: str, tensors: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Exact when every row stays in its block of b0 rows (the blocks' scales then stay as they are).
+        b0 = self.block_size[0]
+        rows = torch.arange(order.numel())
+        moved = (order // b0 != rows // b0).nonzero()
+        if moved.numel():
+            i = int(moved[0])
+            raise QuantError(f"{prefix}: the model reorders this layer's rows at build (DeepSeek's rope rows, "
+                             f"interleaved to halves), which would move row {int(order[i])} into row {i}, another "
+                             f"block of the checkpoint's weight_block_size rows ({b0}); kiln cannot build it exactly")
+        return {**tensors, "weight": tensors["weight"][order].contiguous()}
+
 
 class Fp8TensorCheckpoint(CheckpointQuantization):
     """Per-tensor FP8 (no weight_block_size): kiln's `fp8_dynamic`, or `fp8` with the static `input_scale`.

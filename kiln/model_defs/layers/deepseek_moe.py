@@ -7,6 +7,9 @@ Engine tensors of a sparse layer (names as the checkpoint's, the experts stacked
     {prefix}.experts.down.weight              [E, H, I]
     {prefix}.shared_experts.gate_up_proj / down_proj           a SwiGLU MLP of n_shared_experts * I
 
+From a block-scaled FP8 checkpoint the shared experts stay FP8 (FP8 block linears); the routed experts are
+dequantized at build (the fused MoE operator takes float experts only; deepseek.py's recipes).
+
 The routing (`grouped_route`, transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter) runs in torch on
 every device; the chosen experts run through the fused MoE operator, which routes by softmax over its
 logits: given log(weight) for the chosen experts and -inf elsewhere, its softmax gives weight / sum, and the
@@ -88,9 +91,9 @@ class DeepseekMoE(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         if moe is None or moe.routing is None:
             raise ValueError(f"{config.architecture}: DeepseekMoE needs config.moe.routing")
-        if linears.quant is not None:
-            raise ValueError(f"{config.architecture}: quantized MoE engines are not supported yet; build without "
-                             f"--qformat (and from an unquantized checkpoint)")
+        if linears.quant is not None and (config.mla is None or config.mla.fp8_block_size is None):
+            raise ValueError(f"{config.architecture}: quantized MoE engines are supported from block-scaled FP8 "
+                             f"checkpoints only (DeepSeek-V3's release); build without --qformat")
         self.routing, self.top_k = moe.routing, moe.top_k
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=torch.float32),

@@ -23,6 +23,8 @@ DeepSeek's interleaved layout (`MLAConfig.rope_interleave`) has those rows reord
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,9 +52,9 @@ class MLAttention(nn.Module):
         mla = config.mla
         if mla is None:
             raise ValueError(f"{config.architecture}: MLAttention needs config.mla")
-        if linears.quant is not None:
-            raise ValueError(f"{config.architecture}: quantized MLA engines are not supported yet (kv_b_proj is "
-                             f"read as a float matrix); build without --qformat, from an unquantized checkpoint")
+        if linears.quant is not None and mla.fp8_block_size is None:
+            raise ValueError(f"{config.architecture}: quantized MLA engines are supported from block-scaled FP8 "
+                             f"checkpoints only (DeepSeek-V3's release); build without --qformat")
         tp = linears.tp_size
         if config.num_heads % tp:
             raise ValueError(f"{prefix}: num_attention_heads={config.num_heads} is not divisible by tp_size={tp}")
@@ -70,9 +72,10 @@ class MLAttention(nn.Module):
             self.q_proj = linears.column(f"{prefix}.q_proj", hidden, q_out)
         self.kv_a_proj_with_mqa = linears.replicated(f"{prefix}.kv_a_proj_with_mqa", hidden, mla.latent_dim, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, linears.dtype)
-        # Never applied as a layer: its weight [H (dn + dv), r] is read per head as W_UK, W_UV.
-        self.kv_b_proj = linears.column(f"{prefix}.kv_b_proj", mla.kv_lora_rank,
-                                        heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        # Never applied as a layer: its weight [H (dn + dv), r] is read per head as W_UK, W_UV, so it is float
+        # in every engine (an FP8 checkpoint's is dequantized at build, deepseek.py's recipes).
+        self.kv_b_proj = dataclasses.replace(linears, quant=None).column(
+            f"{prefix}.kv_b_proj", mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
         self.o_proj = linears.row(f"{prefix}.o_proj", heads * mla.v_head_dim, hidden, bias)
         self.scale = mla.qk_head_dim ** -0.5 * yarn_softmax_mscale(config.rope)
 

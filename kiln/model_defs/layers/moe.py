@@ -7,6 +7,10 @@ Engine tensors of a sparse layer (whatever the checkpoint calls them; the model 
     {prefix}.shared_expert.*, {prefix}.shared_expert_gate.weight   (Qwen2-MoE's shared expert)
     {prefix}.gate.bias [E], {prefix}.experts.gate_up.bias [E, 2I], {prefix}.experts.down.bias [E, H]   (GPT-OSS)
 
+With a QuantConfig whose `moe_experts` is "mxfp4" (kiln.quant.mxfp4: GPT-OSS's checkpoints kept as shipped) the
+experts' weights are `experts.{gate_up,down}.weight_blocks` / `weight_scales` instead (mxfp4_experts.py), run by
+the MXFP4 MoE operator; any other quantized MoE engine is refused.
+
 Tensor parallelism splits every expert's intermediate dimension: each rank holds rows [r*I/tp, (r+1)*I/tp) of
 each expert's gate and up and the same columns of its down projection (recorded as FeatureShards, which the
 builder's cutter reads as for linear layers), computes its partial sum of every token's expert outputs, and
@@ -18,11 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.plugins import fused_moe
+from kiln.plugins import fused_moe, fused_moe_mxfp4
 
 from ..config import ModelConfig, MoEConfig
 from .linear import LinearFactory
 from .mlp import GatedMLP, SwiGLU
+from .mxfp4_experts import Mxfp4ExpertWeight
 from .parallel import FeatureShard, even_shard, require_comm
 
 
@@ -45,7 +50,7 @@ class FusedExperts(nn.Module):
     """Every expert's weights, stacked: the tensors the fused MoE operator reads (this rank's share of each
     expert's intermediate features)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int, linears: LinearFactory, prefix: str) -> None:
+    def __init__(self, moe: MoEConfig, hidden: int, linears: LinearFactory, prefix: str, mxfp4: bool = False) -> None:
         super().__init__()
         experts, inter = moe.num_experts, moe.intermediate_size
         gate_up_shard = down_shard = None
@@ -54,6 +59,14 @@ class FusedExperts(nn.Module):
             gate_up_shard = even_shard("output", (inter, inter), linears.mapping, f"{prefix}.gate_up")
             down_shard = even_shard("input", (inter,), linears.mapping, f"{prefix}.down")
             local = down_shard.local_sizes[0]
+        self.mxfp4 = mxfp4  # weights as MXFP4 blocks and scales (mxfp4_experts.py)
+        if mxfp4:
+            tp = linears.tp_size
+            self.gate_up = Mxfp4ExpertWeight(f"{prefix}.gate_up", (experts, 2 * local, hidden), linears.dtype,
+                                             gate_up_shard, moe.bias, tp_size=tp)
+            self.down = Mxfp4ExpertWeight(f"{prefix}.down", (experts, hidden, local), linears.dtype, down_shard,
+                                          moe.bias, row=True, tp_size=tp)
+            return
         self.gate_up = ExpertWeight((experts, 2 * local, hidden), linears.dtype, gate_up_shard, moe.bias)
         self.down = ExpertWeight((experts, hidden, local), linears.dtype, down_shard, moe.bias, row=True)
 
@@ -64,13 +77,14 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
         super().__init__()
         moe, hidden = config.moe, config.hidden_size
-        if linears.quant is not None:
+        experts_format = getattr(linears.quant, "moe_experts", None)  # "mxfp4": kiln.quant.mxfp4
+        if linears.quant is not None and experts_format != "mxfp4":
             raise ValueError(f"{config.architecture}: quantized MoE engines are not supported yet; build without "
                              f"--qformat (and from an unquantized checkpoint)")
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.swiglu = dict(swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)  # GPT-OSS; 0: plain
         self.gate = linears.replicated(f"{prefix}.gate", hidden, moe.num_experts, moe.bias)
-        self.experts = FusedExperts(moe, hidden, linears, f"{prefix}.experts")
+        self.experts = FusedExperts(moe, hidden, linears, f"{prefix}.experts", mxfp4=experts_format == "mxfp4")
         comm = linears.comm
         # The ranks' partial sums over their intermediate features add up to the block's output.
         self.reduce = (lambda y: require_comm(comm, prefix).all_reduce(y)) if linears.tp_size > 1 else None
@@ -84,9 +98,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; router logits [T, E] in x's dtype, as transformers computes them
         gate_up, down = self.experts.gate_up, self.experts.down
-        out = fused_moe(x, self.gate(x), gate_up.weight, down.weight, top_k=self.top_k,
-                        renormalize=self.renormalize, b_gate_up=gate_up.bias, b_down=down.bias,
-                        **self.swiglu)  # [T, H]
+        if self.experts.mxfp4:
+            out = fused_moe_mxfp4(x, self.gate(x), gate_up.weight_blocks, gate_up.weight_scales, down.weight_blocks,
+                                  down.weight_scales, top_k=self.top_k, renormalize=self.renormalize,
+                                  b_gate_up=gate_up.bias, b_down=down.bias, **self.swiglu)  # [T, H]
+        else:
+            out = fused_moe(x, self.gate(x), gate_up.weight, down.weight, top_k=self.top_k,
+                            renormalize=self.renormalize, b_gate_up=gate_up.bias, b_down=down.bias,
+                            **self.swiglu)  # [T, H]
         if self.reduce is not None:
             out = self.reduce(out)
         if self.shared_expert is not None:

@@ -1,0 +1,173 @@
+"""Triton kernels behind kiln::fused_moe_mxfp4 on CUDA: triton_moe.py's grouped GEMMs over expert-sorted tokens,
+with each weight tile read as MXFP4 and decoded in registers.
+
+The tokens' slots are grouped by expert exactly as for the float experts (triton_moe.align_by_expert), and the
+two kernels are that module's gate/up and down kernels but for the weight loads: a [BLOCK_K, BLOCK_N] tile of
+W^T reads, for weight row n and input column k, byte k // 2 of row n (the low nibble for even k) and scale
+k // 32 of row n, and decodes
+
+    E2M1 code c (sign bit 8; exponent e = (c >> 1) & 3, mantissa m = c & 1):
+        |v| = m / 2 for e = 0 (0, 0.5), else (2 + m) * 2 ** (e - 2) (1, 1.5, 2, 3, 4, 6)
+    E8M0 scale s: 2 ** (s - 127), made from its float32 bits (s << 23; s = 0 is the subnormal 2 ** -127)
+
+in float32, exactly, then rounds the product to x's dtype (exact in bfloat16 and float32) as the reference's
+dequantized weight is: the GEMM operands are the reference's, bit for bit. The weight streams at 4.25 bits
+a value instead of 16, which is what bounds a decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_route import route
+from .triton_activation import _exp
+from .triton_moe import _launch_config, _silu, align_by_expert
+
+
+@triton.jit
+def _mxfp4_tile(blocks_ptr, scales_ptr, rows, ks, row_ok, k_ok, stride_bn, stride_sn, dtype: tl.constexpr):
+    """W^T tile [BK, BN] in `dtype`: rows [BN] of one expert's weight (its blocks viewed [N, K / 2] bytes, its
+    scales [N, K / 32]), input columns ks [BK]."""
+    mask = k_ok[:, None] & row_ok[None, :]
+    byte = tl.load(blocks_ptr + rows[None, :].to(tl.int64) * stride_bn + (ks // 2)[:, None], mask=mask,
+                   other=0).to(tl.int32)  # [BK, BN]
+    code = (byte >> ((ks % 2) * 4)[:, None]) & 0xF
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    power = ((e + 125) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 2), from its float32 bits
+    magnitude = tl.where(e == 0, m * 0.5, (2.0 + m) * power)
+    value = tl.where(code >= 8, -magnitude, magnitude)
+    s = tl.load(scales_ptr + rows[None, :].to(tl.int64) * stride_sn + (ks // 32)[:, None], mask=mask,
+                other=127).to(tl.int32)  # [BK, BN]
+    scale = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+    return (value * scale).to(dtype)
+
+
+# Token counts change every step: specializing on them would only add recompiles.
+@triton.jit(do_not_specialize=["num_slots"])
+def _gate_up_kernel(
+    x_ptr, blocks_ptr, scales_ptr, h_ptr, sorted_slots_ptr, block_experts_ptr, b_ptr,
+    num_slots, top_k, hidden, inter,
+    stride_x, stride_be_blocks, stride_bn, stride_se, stride_sn, stride_h, stride_be, limit, alpha,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
+):
+    # x: [T, H]; blocks: [E, 2I, H / 2] bytes, scales [E, 2I, H / 32] (gate rows, then up rows); h: [S, I]
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    dtype = h_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    slots = tl.load(sorted_slots_ptr + rows)  # [BM]; num_slots marks padding
+    valid = slots < num_slots
+    tokens = (slots // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of the I features
+    col_ok = cols < inter
+    e64 = expert.to(tl.int64)
+    w_blocks, w_scales = blocks_ptr + e64 * stride_be_blocks, scales_ptr + e64 * stride_se
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK]
+        w_gate = _mxfp4_tile(w_blocks, w_scales, cols, ks, col_ok, k_ok, stride_bn, stride_sn, dtype)  # [BK, BN]
+        w_up = _mxfp4_tile(w_blocks, w_scales, cols + inter, ks, col_ok, k_ok, stride_bn, stride_sn, dtype)
+        acc_gate = tl.dot(a, w_gate, acc_gate)
+        acc_up = tl.dot(a, w_up, acc_up)
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    if HAS_BIAS:  # b: [E, 2I], gate then up columns
+        b_expert = b_ptr + e64 * stride_be
+        gate = (gate + tl.load(b_expert + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        b_up = tl.load(b_expert + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = (up + b_up).to(dtype).to(tl.float32)
+    if CLAMPED:  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = ((up + 1.0) * tl.math.div_rn(gate, 1.0 + _exp(-alpha * gate))).to(dtype)
+    else:
+        h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
+    tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_h + cols[None, :], h,
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _down_kernel(
+    h_ptr, blocks_ptr, scales_ptr, y_ptr, routing_ptr, sorted_slots_ptr, block_experts_ptr, b_ptr,
+    num_slots, hidden, inter,
+    stride_h, stride_be_blocks, stride_bn, stride_se, stride_sn, stride_y, stride_be,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # h: [S, I]; blocks: [E, H, I / 2] bytes, scales [E, H, I / 32]; y: [S, H]; routing: [S] in x's dtype
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    dtype = y_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots_ptr + rows)  # [BM]
+    valid = slots < num_slots
+    slots64 = slots.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of the H outputs
+    col_ok = cols < hidden
+    e64 = expert.to(tl.int64)
+    w_blocks, w_scales = blocks_ptr + e64 * stride_be_blocks, scales_ptr + e64 * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(h_ptr + slots64[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK]
+        w = _mxfp4_tile(w_blocks, w_scales, cols, ks, col_ok, k_ok, stride_bn, stride_sn, dtype)  # [BK, BN]
+        acc = tl.dot(a, w, acc)
+    weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    out = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:  # b: [E, H]
+        bias = tl.load(b_ptr + e64 * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out = (out + bias[None, :]).to(dtype).to(tl.float32)
+    y = (out * weight[:, None]).to(dtype)
+    tl.store(y_ptr + slots64[:, None] * stride_y + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+
+
+def fused_moe_mxfp4_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up_blocks: torch.Tensor,
+                           gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor,
+                           top_k: int, renormalize: bool, b_gate_up: torch.Tensor | None = None,
+                           b_down: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+                           swiglu_alpha: float = 0.0) -> torch.Tensor:
+    """kiln::fused_moe_mxfp4 on CUDA (arguments as mxfp4_moe.fused_moe_mxfp4 checks them: blocks and scales
+    contiguous) -> [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter = gate_up_blocks.shape[:2]
+    inter = two_inter // 2
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return torch.zeros_like(x)
+    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
+    cfg = _launch_config(num_slots, num_experts)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sorted_slots, block_experts = align_by_expert(ids, num_experts, block_m)
+    num_blocks = block_experts.numel()
+    gu_blocks = gate_up_blocks.view(num_experts, two_inter, hidden // 2)  # [E, 2I, H / 2] bytes
+    d_blocks = down_blocks.view(num_experts, hidden, inter // 2)  # [E, H, I / 2] bytes
+    h = x.new_empty((num_slots, inter))  # [S, I]: every slot's row is written once
+    # Without biases the kernels never read their pointer (HAS_BIAS is compile-time): x stands in.
+    b_gate_up_arg, b_down_arg = (x if b is None else b for b in (b_gate_up, b_down))
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, gu_blocks, gate_up_scales, h, sorted_slots, block_experts, b_gate_up_arg,
+        num_slots, top_k, hidden, inter,
+        x.stride(0), gu_blocks.stride(0), gu_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
+        h.stride(0), b_gate_up_arg.stride(0), float(swiglu_limit), float(swiglu_alpha),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_gate_up is not None,
+        CLAMPED=swiglu_limit > 0, **launch)
+    y = x.new_empty((num_slots, hidden))  # [S, H]
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, d_blocks, down_scales, y, weights.reshape(-1), sorted_slots, block_experts, b_down_arg,
+        num_slots, hidden, inter,
+        h.stride(0), d_blocks.stride(0), d_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
+        y.stride(0), b_down_arg.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_down is not None, **launch)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

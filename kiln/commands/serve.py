@@ -67,11 +67,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template for /v1/chat/completions (default: the engine's, from its "
                         "tokenizer_config.json or chat_template.jinja; kiln's bundled models ship one)")
-    p.add_argument("--tool-call-parser", default=None, choices=("llama3_json", "hermes"),
+    p.add_argument("--tool-call-parser", default=None, choices=("llama3_json", "hermes", "harmony"),
                    help="the tool-call format /v1/chat/completions reads from the model's answer and constrains it "
                         "to with tool_choice required or a named function: llama3_json ({\"name\": ..., "
                         "\"parameters\": {...}}) or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}"
-                        "</tool_call>) (default: by architecture: Llama/Mistral llama3_json, Qwen2/Qwen3 hermes)")
+                        "</tool_call>) or harmony (GPT-OSS: reasoning, answer and calls in channels, read from "
+                        "every answer) (default: by architecture: Llama/Mistral llama3_json, Qwen2/Qwen3 hermes, "
+                        "GPT-OSS or a template that renders <|channel|> harmony)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (Hugging Face PEFT directories) served as OpenAI models by these names, "
                         "as name=path or JSON {\"name\": ..., \"path\": ...}; needs --enable-lora (default: none)")

@@ -75,9 +75,9 @@ class ServeConfig:
         for name in ("keep_alive_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServeConfig.{name}={getattr(self, name)!r} is invalid: must be > 0 seconds")
-        if self.tool_call_parser not in (None, "llama3_json", "hermes"):
+        if self.tool_call_parser not in (None, "llama3_json", "hermes", "harmony"):
             raise ValueError(f"ServeConfig.tool_call_parser={self.tool_call_parser!r} is invalid: must be "
-                             "llama3_json or hermes")
+                             "llama3_json, hermes or harmony")
         for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request", "max_prompt_tokens_per_request",
                      "max_prompt_chars"):
             value = getattr(self, name)

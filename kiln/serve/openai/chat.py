@@ -4,7 +4,8 @@
 With `tools`, the template renders them (transformers' `apply_chat_template(..., tools=...)`); tool_choice
 "auto" reads the answer for tool calls, "required" and a named function constrain it to one call
 (tool_specs.py checks the fields, tool_calls.py reads and constrains the model's format, openai_tool_output.py
-presents the calls). `response_format` and vLLM's guided_* fields constrain the text (guided_request.py).
+presents the calls). GPT-OSS's harmony format is read from every answer, tools or not (harmony.py: reasoning,
+content, calls). `response_format` and vLLM's guided_* fields constrain the text (guided_request.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from kiln.serve.guided_request import openai_guided
 from kiln.serve.limits import RequestLimits
 from kiln.serve.openai import request as common
 from kiln.serve.openai.format import chat_logprobs, stop_string
+from kiln.serve.openai.harmony import HarmonyOutput, HarmonyStream
 from kiln.serve.openai.request import Choice, Job
-from kiln.serve.openai.tool_calls import PARSERS, check_tools_readable, default_parser
+from kiln.serve.openai.tool_calls import HARMONY, PARSERS, check_tools_readable, default_parser
 from kiln.serve.openai.tool_output import ToolOutput, ToolStream
 from kiln.serve.openai.tool_specs import ToolChoice, check_tool_choice, check_tools, template_tool_calls
 
@@ -31,8 +33,18 @@ _CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "log
 
 
 def tool_call_parser(config: ServeConfig, service: EngineService) -> str:
-    """--tool-call-parser, else the format of the engine's architecture."""
-    return config.tool_call_parser or default_parser(service.llm.architecture)
+    """--tool-call-parser, else the format of the engine's architecture or of the chat template it serves."""
+    template = config.chat_template or getattr(service.tokenizer, "chat_template", None)
+    return config.tool_call_parser or default_parser(service.llm.architecture,
+                                                     template if isinstance(template, str) else None)
+
+
+def answer_output(parser: str, tool_choice: ToolChoice, tokenizer) -> ToolOutput | HarmonyOutput | None:
+    """How a request's answers are read: harmony's channels always (and its calls with tools), another format's
+    calls only with tools, else not at all (plain text)."""
+    if parser == HARMONY:
+        return HarmonyOutput(tokenizer, tool_choice)
+    return ToolOutput(PARSERS[parser], tool_choice) if tool_choice.tools else None
 
 
 def chat_messages(messages) -> list[dict]:
@@ -49,6 +61,9 @@ def chat_messages(messages) -> list[dict]:
         if tool_calls is not None:  # an assistant turn that called tools may have no content
             message = {**message, "tool_calls": tool_calls}
             content = "" if content is None else content
+        reasoning = message.get("reasoning_content", message.get("reasoning"))
+        if isinstance(reasoning, str) and "thinking" not in message:  # GPT-OSS's template calls it `thinking`
+            message = {**message, "thinking": reasoning}
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -117,7 +132,7 @@ def _max_chat_tokens(service: EngineService, num_prompt_tokens: int) -> int:
     return room
 
 
-def _constraint(body: dict, tool_choice: ToolChoice, parser: str):
+def _constraint(body: dict, tool_choice: ToolChoice, output: ToolOutput | HarmonyOutput | None):
     """-> (the output's GuidedDecoding or None, the field it comes from)."""
     guided, field = openai_guided(body)
     if not tool_choice.constrained:
@@ -126,7 +141,7 @@ def _constraint(body: dict, tool_choice: ToolChoice, parser: str):
         which = repr(tool_choice.mode) if tool_choice.mode == "required" else f"naming {tool_choice.tools[0].name!r}"
         raise InvalidRequest(f"{field} cannot be combined with tool_choice {which}, which constrains the answer to "
                              "a tool call", field)
-    return PARSERS[parser].constraint(tool_choice.tools), "tools"
+    return output.constraint(), "tools"
 
 
 async def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits,
@@ -141,7 +156,8 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     if tools:
         check_tools_readable(service.llm.architecture)
     tool_choice = check_tool_choice(body.get("tool_choice"), tools)
-    guided, guided_field = _constraint(body, tool_choice, tool_call_parser)
+    output = answer_output(tool_call_parser, tool_choice, service.tokenizer)
+    guided, guided_field = _constraint(body, tool_choice, output)
     count_tokens = limits.prompt_tokens(service.tokenize, "messages")
     messages = chat_messages(body.get("messages"))
     size = check_messages_size(service, limits, messages)
@@ -163,6 +179,8 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     beams = common.beam_search(body, n, stream, service)  # {} unless use_beam_search
     params = common.sampling_params(body, names, max_tokens=max_tokens, logprobs=want_logprobs,
                                     top_logprobs=top_logprobs, guided_decoding=guided, **beams)
+    if output is not None:
+        params = output.sampling_params(params)
     if beams:  # one engine request whose n beams are the n choices
         choices = [Choice(0, token_ids, params, True, keep_stop=keep_stop, beams=n)]
     else:
@@ -177,15 +195,13 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     def text_of(choice: Choice, out: RequestOutput, text: str) -> str:
         return text + stop_string(tokenizer, choice.params, eos, out) if choice.keep_stop and out.finished else text
 
-    # tool_choice "none" (or no tools): the answer is plain text, never read for calls
-    tool_output = ToolOutput(PARSERS[tool_call_parser], tool_choice) if tool_choice.tools else None
-    tool_streams: dict[int, ToolStream] = {}
+    answer_streams: dict[int, ToolStream | HarmonyStream] = {}
 
     def format_choice(choice: Choice, out: RequestOutput) -> dict:
         text = text_of(choice, out, out.text)
         message, finish_reason = {"role": "assistant", "content": text}, out.finish_reason
-        if tool_output is not None:
-            message, finish_reason = tool_output.message(text, finish_reason)
+        if output is not None:
+            message, finish_reason = output.message(text, finish_reason)
         return {"index": choice.index, "message": message, "finish_reason": finish_reason,
                 "logprobs": logprobs(out.token_ids, out.logprobs, out.top_logprobs)}
 
@@ -195,20 +211,23 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
             pieces.append({"index": choice.index, "delta": {"role": "assistant", "content": ""},
                            "finish_reason": None, "logprobs": None})
         lps = logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
-        text, call_deltas, finish_reason = text_of(choice, delta.output, delta.text), [], delta.finish_reason
-        if tool_output is not None:  # content and calls come from the text so far (held back where a call may be)
-            stream_state = tool_streams.setdefault(choice.index, tool_output.stream())
+        text, finish_reason = text_of(choice, delta.output, delta.text), delta.finish_reason
+        deltas = [{"content": text}] if text else []
+        if output is not None:  # the deltas come from the text so far (held back where a marker or call may be)
+            stream_state = answer_streams.setdefault(choice.index, output.stream())
             full = text_of(choice, delta.output, delta.output.text)
-            text, call_deltas, finish_reason = stream_state.step(full, delta.finished, delta.finish_reason)
+            deltas, finish_reason = stream_state.deltas(full, delta.finished, delta.finish_reason)
             if delta.finished:
-                tool_streams.pop(choice.index, None)
-        if text or lps and lps["content"] or (delta.finished and not call_deltas):
-            pieces.append({"index": choice.index, "delta": {"content": text} if text else {},
-                           "finish_reason": None if call_deltas else finish_reason, "logprobs": lps})
-        for tool_calls in call_deltas:
-            pieces.append({"index": choice.index, "delta": {"tool_calls": tool_calls}, "finish_reason": None,
-                           "logprobs": None})
-        if call_deltas:  # the finish reason comes after the calls, as OpenAI sends it
+                answer_streams.pop(choice.index, None)
+        calls = any("tool_calls" in d for d in deltas)
+        if not deltas or "tool_calls" in deltas[0]:
+            if lps and lps["content"] or (delta.finished and not calls):
+                deltas.insert(0, {})
+        for k, d in enumerate(deltas):  # logprobs ride on the first, the finish reason on the last
+            last = k == len(deltas) - 1 and "tool_calls" not in d
+            pieces.append({"index": choice.index, "delta": d, "finish_reason": finish_reason if last else None,
+                           "logprobs": lps if k == 0 else None})
+        if deltas and "tool_calls" in deltas[-1]:  # the finish reason comes after the calls, as OpenAI sends it
             pieces.append({"index": choice.index, "delta": {}, "finish_reason": finish_reason, "logprobs": None})
         return pieces
 

@@ -1,6 +1,8 @@
 """Tool calls in the model's own format: reading them out of its text, and the constraint that makes it write one.
 
-Two formats, picked by `kiln serve --tool-call-parser` (default: by architecture, `default_parser`):
+Two formats, picked by `kiln serve --tool-call-parser` (default: by architecture, `default_parser`), read here; a
+third, harmony (GPT-OSS: calls in the commentary channel, reasoning in the analysis channel, read from every
+answer, tools or not), is read by harmony.py:
 - llama3_json (Llama 3.x, Mistral): the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.1's
   templates say "parameters"; "arguments" is read too), possibly after `<|python_tag|>`, several calls
   separated by `;`.
@@ -26,14 +28,17 @@ from kiln.serve.openai.tool_specs import Tool
 
 LLAMA3_JSON = "llama3_json"
 HERMES = "hermes"
-PARSER_NAMES = (LLAMA3_JSON, HERMES)
+HARMONY = "harmony"
+PARSER_NAMES = (LLAMA3_JSON, HERMES, HARMONY)
 # Hugging Face architecture prefix -> the format its chat templates ask for.
-_ARCHITECTURE_PARSERS = (("Llama", LLAMA3_JSON), ("Mistral", LLAMA3_JSON), ("Qwen2", HERMES), ("Qwen3", HERMES))
+_ARCHITECTURE_PARSERS = (("Llama", LLAMA3_JSON), ("Mistral", LLAMA3_JSON), ("Qwen2", HERMES), ("Qwen3", HERMES),
+                         ("GptOss", HARMONY))
+# A chat template that renders this renders harmony (GPT-OSS's, whatever the architecture string says).
+_HARMONY_MARK = "<|channel|>"
 
 
 # Hugging Face architecture prefix -> the tool-call format kiln does not read yet: a request with tools is refused.
-_UNREAD_FORMATS = (("GptOss", "the harmony format (calls in its commentary channel)"),
-                   ("Deepseek", "DeepSeek's tool-call tokens (<｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>)"))
+_UNREAD_FORMATS = (("Deepseek", "DeepSeek's tool-call tokens (<｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>)"),)
 
 
 def check_tools_readable(architecture: str) -> None:
@@ -44,8 +49,11 @@ def check_tools_readable(architecture: str) -> None:
                                  f"yet; send the request without tools", "tools")
 
 
-def default_parser(architecture: str) -> str:
-    """The format for a model of this architecture; llama3_json for one not listed."""
+def default_parser(architecture: str, chat_template: str | None = None) -> str:
+    """The format for a model of this architecture, or harmony for a chat template that renders it; llama3_json
+    for one not listed."""
+    if chat_template and _HARMONY_MARK in chat_template:
+        return HARMONY
     return next((parser for prefix, parser in _ARCHITECTURE_PARSERS if architecture.startswith(prefix)), LLAMA3_JSON)
 
 

@@ -10,16 +10,27 @@ function the whole answer is a call (the output is constrained), so all of it is
 
 from __future__ import annotations
 
+from kiln.runtime.core.guided_decoding import GuidedDecoding
+from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.serve.openai.tool_calls import Parsed, ToolCall
 from kiln.serve.openai.tool_specs import ToolChoice
 
 
 class ToolOutput:
-    """How one request's choices read their text: `parser` (tool_calls.PARSERS) for `choice.tools`."""
+    """How one request's choices read their text: `parser` (tool_calls.PARSERS) for `choice.tools`. chat.py reads
+    answers through this interface (sampling_params, constraint, message, stream().deltas), which harmony.py's
+    HarmonyOutput shares."""
 
     def __init__(self, parser, choice: ToolChoice) -> None:
         self.parser = parser
         self.choice = choice
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        return params
+
+    def constraint(self) -> GuidedDecoding:
+        """The output constrained to one call (tool_choice "required" or a named function)."""
+        return self.parser.constraint(self.choice.tools)
 
     def parse(self, text: str) -> Parsed:
         return self.parser.parse(text, self.choice.tools)
@@ -34,7 +45,7 @@ class ToolOutput:
         if not parsed.calls:
             return {"role": "assistant", "content": text}, finish_reason
         return ({"role": "assistant", "content": parsed.content if parsed.content.strip() else None,
-                 "tool_calls": [call.openai() for call in parsed.calls]}, _finish_reason(finish_reason))
+                 "tool_calls": [call.openai() for call in parsed.calls]}, finish_reason_with_calls(finish_reason))
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -59,7 +70,12 @@ class ToolStream:
             piece, self.sent = text[self.sent:], len(text)
             return piece, [], finish_reason
         piece = parsed.content[self.sent:] if parsed.content.strip() else ""
-        return piece, _call_deltas(parsed.calls), _finish_reason(finish_reason)
+        return piece, _call_deltas(parsed.calls), finish_reason_with_calls(finish_reason)
+
+    def deltas(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """`step` as the `delta` objects to send now, in order (content, then each tool-call chunk)."""
+        piece, calls, finish_reason = self.step(text, finished, finish_reason)
+        return ([{"content": piece}] if piece else []) + [{"tool_calls": c} for c in calls], finish_reason
 
 
 def _call_deltas(calls: list[ToolCall]) -> list[list[dict]]:
@@ -71,6 +87,6 @@ def _call_deltas(calls: list[ToolCall]) -> list[list[dict]]:
     return deltas
 
 
-def _finish_reason(finish_reason: str | None) -> str | None:
+def finish_reason_with_calls(finish_reason: str | None) -> str | None:
     """An answer that calls tools ends with "tool_calls" (unless the server cut it off)."""
     return finish_reason if finish_reason == "abort" else "tool_calls"

@@ -212,7 +212,8 @@ def test_codec_covers_every_field():
     names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (ScheduledRequest, SchedulerOutput, StepInput,
                                                                        PromptLogprobTarget, RuntimeConfig, RankLaunch)}
     assert names[ScheduledRequest] == {"request_id", "token_ids", "start_position", "block_ids", "num_prompt_tokens",
-                                       "num_sampled", "lora_int_id", "rope_min_length"}
+                                       "num_sampled", "lora_int_id", "rope_min_length",
+                                       "draft_parents"}  # refused by the encoder (tree drafts: one rank)
     assert names[SchedulerOutput] == {"requests", "preempted_ids", "block_copies", "kv_transfers"}
     assert names[StepInput] == {"schedule", "prompt_logprob_targets", "token_feed"}
     assert names[PromptLogprobTarget] == {"token_ids", "top_k", "logprobs", "logits"}

@@ -35,6 +35,7 @@ from ._eager import runs_reference_directly
 from ._spec import OpSpec, define
 from .kv_cache import KV_CACHE_DTYPES, check_kv_scales
 from .step_plan import KeyGroup, PagedAttentionPlan, StepPlan
+from .tree_mask import TREE_SPAN, tree_visibility
 
 
 def paged_attention_reference(
@@ -50,10 +51,11 @@ def paged_attention_reference(
     v_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), plan, scale, sliding_window, softcap,
-                              sinks)
+                              sinks, tree_mask)
 
 
 # A cache and its dequantization scale ([1] float32), None for a float cache.
@@ -79,8 +81,10 @@ def _read(cache: ScaledCache, reads: torch.Tensor | slice, sequences: int) -> to
 
 def _planned_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, plan: PagedAttentionPlan,
                        scale: float, sliding_window: int, softcap: float = 0.0,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     # Math in float32, as torch's scaled_dot_product_attention (what transformers runs on the CPU) does it.
+    if tree_mask is not None:
+        return _tree_attention(q, k_cache, v_cache, plan, scale, sliding_window, softcap, sinks, tree_mask)
     if plan.decode_only:  # T == S: the decode rows are the output
         return _decode_attention(q, k_cache, v_cache, plan.decode, scale, sliding_window, softcap, sinks)
     out = q.new_empty(q.shape)
@@ -89,6 +93,36 @@ def _planned_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCac
                                                   sliding_window, softcap, sinks)
     for rows, group in plan.chunks:
         out[rows] = _chunk_attention(q[rows], k_cache, v_cache, group, scale, sliding_window, softcap, sinks)
+    return out
+
+
+def _tree_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCache, plan: PagedAttentionPlan,
+                    scale: float, sliding_window: int, softcap: float, sinks: torch.Tensor | None,
+                    tree_mask: torch.Tensor) -> torch.Tensor:
+    # The causal plan for every sequence, then the sequences with tree queries again under their dense tree
+    # mask (tree_mask.py): a rare step (speculative tree drafts), kept simple rather than fast.
+    out = _planned_attention(q, k_cache, v_cache, plan, scale, sliding_window, softcap, sinks)
+    bits, starts, lens = tree_mask.tolist(), plan.query_start_loc.tolist(), plan.seq_lens.tolist()
+    kv_heads, dim = k_cache[0].shape[2:]
+    for s, seq_len in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        if not any(bits[lo:hi]) or seq_len == 0:
+            continue
+        allowed = tree_visibility(tree_mask[lo:hi], seq_len)  # [n, L]
+        if sliding_window > 0:  # the window in key indices, as for causal rows
+            keys = torch.arange(seq_len, device=q.device)
+            allowed &= keys[None, :] > torch.arange(seq_len - (hi - lo), seq_len, device=q.device)[:, None] - \
+                sliding_window
+        positions = torch.arange(seq_len, device=q.device)
+        table = plan.block_tables[s].long()
+        slots = table[positions // plan.block_size] * plan.block_size + positions % plan.block_size  # [L]
+        reads = (slots[:, None] * kv_heads + torch.arange(kv_heads, device=q.device)[None, :]).T.reshape(-1)
+        k, v = _read(k_cache, reads, 1), _read(v_cache, reads, 1)  # [1, Hk, L, D]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device)
+        mask = mask.masked_fill_(~allowed, float("-inf"))[None, None]  # [1, 1, n, L]
+        head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
+        rows = _attend(q[lo:hi].float().transpose(0, 1)[None], k, v, mask, scale, softcap, head_sinks)
+        out[lo:hi] = rows[0].transpose(0, 1).to(q.dtype)  # [n, Hq, D]
     return out
 
 
@@ -160,7 +194,7 @@ def _decode_attention(q: torch.Tensor, k_cache: ScaledCache, v_cache: ScaledCach
 
 
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                          k_scale=None, v_scale=None, softcap=0.0, sinks=None):
+                          k_scale=None, v_scale=None, softcap=0.0, sinks=None, tree_mask=None):
     return q.new_empty(q.shape)
 
 
@@ -177,6 +211,7 @@ PAGED_ATTENTION = OpSpec("kiln::paged_attention", """
     Tensor? v_scale=None      [1] float32, likewise for values
     float softcap=0.0         > 0: scores (q . k * scale) become softcap * tanh(scores / softcap); 0: off
     Tensor? sinks=None        [Hq] float32, contiguous: each head's sink logit joins its softmax (GPT-OSS)
+    Tensor? tree_mask=None    [T] int64, contiguous: per query, the keys it sees at its sequence's end (tree_mask.py)
     -> Tensor                 [T, Hq, D] q's dtype, contiguous
     """, reference=paged_attention_reference, fake=_paged_attention_fake,
     kernel="triton_attention.paged_attention_triton")
@@ -196,6 +231,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
     *,
     plan: StepPlan | None = None,
 ) -> torch.Tensor:
@@ -205,6 +241,8 @@ def paged_attention(
     each score s = (q . k) * scale as softcap * tanh(s / softcap) before the mask and the softmax (Gemma 2).
     sinks ([Hq] float32, GPT-OSS's attention sinks): head h's softmax has exp(sinks[h]) added to its denominator,
     as one more key of logit sinks[h] whose value is zero; a row with no key then gives zeros.
+    tree_mask ([T] int64, tree drafts): a query's row other than 0 says which of its sequence's last TREE_SPAN
+    keys it sees (bit j: key seq_len - 1 - j; tree_mask.py), keys before those always; 0 is causal.
     A float8_e4m3fn or int8 cache needs k_scale, v_scale ([1] float32 on its device): keys are read as
     k_cache.float() * k_scale, values likewise; a float cache takes no scales.
     q may be a strided view (e.g. a slice of the fused qkv output) but its last dim must be contiguous;
@@ -252,10 +290,17 @@ def paged_attention(
         if not sinks.is_contiguous():
             raise ValueError(f"sinks must be contiguous, got strides {sinks.stride()}")
         check_same_device(q=q, sinks=sinks)
+    if tree_mask is not None:
+        check_dims("tree_mask", tree_mask, 1)
+        check_dtype("tree_mask", tree_mask, (torch.int64,))
+        check_size("tree_mask", tree_mask, 0, q.shape[0], f"query tokens of q (tree regions span <= {TREE_SPAN})")
+        if not tree_mask.is_contiguous():
+            raise ValueError(f"tree_mask must be contiguous, got strides {tree_mask.stride()}")
+        check_same_device(q=q, tree_mask=tree_mask)
     if not runs_reference_directly(q):
         return _paged_attention.for_tensor(q)(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                               float(scale), int(sliding_window), k_scale, v_scale, float(softcap),
-                                              sinks)
+                                              sinks, tree_mask)
     if plan is None:
         attention = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     elif plan.attention.describes(block_tables, seq_lens, query_start_loc, k_cache.shape[1]):
@@ -264,4 +309,4 @@ def paged_attention(
         raise ValueError("plan was made for other block_tables, seq_lens, query_start_loc or block size")
     check_size("q", q, 0, attention.num_tokens, "query tokens in query_start_loc")
     return _planned_attention(q, (k_cache, k_scale), (v_cache, v_scale), attention, float(scale),
-                              int(sliding_window), float(softcap), sinks)
+                              int(sliding_window), float(softcap), sinks, tree_mask)

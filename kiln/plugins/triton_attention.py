@@ -43,12 +43,14 @@ def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_
                  softcap, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
                  USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
+                 SOFTCAP: tl.constexpr, tree_bits=None, seq_len=None, TREE: tl.constexpr = False):
     """One online-softmax step over keys [start, start + BLOCK_N). MASK_KEYS drops keys >= key_end (never
     read); CAUSAL drops, per row, keys after q_pos and (USE_WINDOW) keys <= q_pos - window. Tiles known
     to be fully visible skip both. KV_QUANT: the cache holds unscaled float8 / int8 values (qk_scale has
     k_scale in it; the caller multiplies the output by v_scale). SOFTCAP: scores are capped before the masks,
-    `softcap` being the cap times log2(e) (see _cap)."""
+    `softcap` being the cap times log2(e) (see _cap). TREE (with CAUSAL): a row whose tree_bits ([BLOCK_M]
+    int64) are not 0 sees, of its sequence's last 64 keys (seq_len being its key count), only those whose bit
+    (counted back from the last key) is set (tree_mask.py)."""
     # q: [BLOCK_M, BLOCK_D]; acc: [BLOCK_M, BLOCK_D] fp32; l_i, m_i, q_pos: [BLOCK_M]
     k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)
@@ -72,6 +74,10 @@ def _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, start, key_
         visible = k_pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        if TREE:
+            back = seq_len - 1 - k_pos  # [BLOCK_N]
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(back, 0), 63).to(tl.int64)[None, :]) & 1
+            visible = visible & ((tree_bits[:, None] == 0) | (back[None, :] >= 64) | (bit != 0))
         scores = tl.where(visible, scores, float("-inf"))
     elif MASK_KEYS:
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
@@ -126,7 +132,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    SINKS: tl.constexpr):
+                    SINKS: tl.constexpr, tree_ptr=None, TREE: tl.constexpr = False):
     pid = tl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
     tile = num_tiles - 1 - pid // NUM_KV_HEADS  # last tiles (the most keys) start first
@@ -167,6 +173,10 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     num_steps = tl.cdiv(tl.maximum(key_hi - key_lo, 0), BLOCK_N)
     full_start = tl.minimum(tl.cdiv(full_lo - key_lo, BLOCK_N), num_steps)
     full_end = tl.maximum(tl.minimum(tl.maximum(first_pos + 1 - key_lo, 0) // BLOCK_N, num_steps), full_start)
+    tree_bits = offs_m * 0
+    if TREE:  # tree rows: the keys of the tree region (the last 64) are masked tiles, never "full" ones
+        tree_bits = tl.load(tree_ptr + token, mask=row_ok, other=0)
+        full_end = tl.maximum(tl.minimum(full_end, tl.maximum(seq_len - 64 - key_lo, 0) // BLOCK_N), full_start)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -177,7 +187,8 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     for step in range(0, full_start):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
                                      key_hi, q_pos, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                     BLOCK_N, BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP)
+                                     BLOCK_N, BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP,
+                                     tree_bits, seq_len, TREE)
     for step in range(full_start, full_end):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
                                      key_hi, q_pos, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
@@ -185,7 +196,8 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     for step in range(full_end, num_steps):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, kv_head, key_lo + step * BLOCK_N,
                                      key_hi, q_pos, window, qk_scale, softcap, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                     BLOCK_N, BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP)
+                                     BLOCK_N, BLOCK_D, True, True, USE_WINDOW, DOT_PRECISION, KV_QUANT, SOFTCAP,
+                                     tree_bits, seq_len, TREE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no key (seq_len 0 padding) give zeros
     if KV_QUANT:
         out = out * tl.load(v_scale_ptr)
@@ -332,8 +344,10 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_reference` on the GPU; the decode path needs T == S with one token per sequence.
+    """`paged_attention_reference` on the GPU; the decode path needs T == S with one token per sequence
+    (a step with a tree_mask ([T] int64, tree drafts) always takes the unified kernel).
     q may be strided except in its last dim; k_cache, v_cache must be contiguous. A float8_e4m3fn or int8
     cache comes with k_scale, v_scale ([1] float32 on the device), read by the kernels; sinks ([Hq] float32)
     start each head's online softmax (_sink_start)."""
@@ -344,7 +358,7 @@ def paged_attention_triton(
     out = q.new_zeros(q.shape) if num_seqs == 0 else q.new_empty(q.shape)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    decode = num_tokens == num_seqs
+    decode = num_tokens == num_seqs and tree_mask is None
     quantized = k_scale is not None
     dot_dtype = q.dtype if quantized else k_cache.dtype  # what the dots multiply (see the module docstring)
     cfg = _launch_config(num_tokens, num_seqs, num_kv_heads, group, head_dim, dot_dtype.itemsize,
@@ -365,7 +379,8 @@ def paged_attention_triton(
         _unified_kernel[(num_tiles * num_kv_heads,)](
             q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, sinks_arg,
             qk_scale, softcap_log2, sliding_window, num_seqs, num_tiles, q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), block_tables.stride(0), BLOCK_Q=block_q, **shared)
+            out.stride(1), block_tables.stride(0), BLOCK_Q=block_q, tree_ptr=q if tree_mask is None else tree_mask,
+            TREE=tree_mask is not None, **shared)
         return out
     splits = cfg.num_splits
     part_out = torch.empty((num_seqs, num_heads, splits, head_dim) if splits > 1 else (0,),

@@ -77,5 +77,5 @@ class Attention(nn.Module):
                                           k_scale, v_scale, plan=plan)  # k, v cached
         out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               self.scale, self.sliding_window, k_scale, v_scale, self.softcap, self.sinks,
-                              plan=plan)  # [T, Hq, D]
+                              ctx.tree_mask, plan=plan)  # [T, Hq, D]
         return self.o_proj(out.view(num_tokens, -1))

@@ -36,6 +36,9 @@ class ForwardContext:
     # and where the decoder keeps it: layer index -> [T, H]. Empty: nothing is kept.
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Tree drafts (speculative decoding): [T] int64, each query's tree mask (plugins/tree_mask.py; 0: causal);
+    # None where no sequence of the step is a tree.
+    tree_mask: torch.Tensor | None = None
 
     @cached_property
     def plan(self) -> StepPlan | None:

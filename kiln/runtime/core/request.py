@@ -53,6 +53,8 @@ class Request:
     # Tokens a proposer guessed to follow (speculative decoding): the next step computes them after the last
     # token and samples every position, and only the prefix the target agrees with is kept.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Tree drafts: draft i's parent (an earlier draft's index, -1 for the last token); empty for a chain.
+    draft_parents: list[int] = field(default_factory=list)
     # The LoRA adapter it runs with (LoRARequest.lora_int_id); 0: the base model.
     lora_int_id: int = 0
     # Beam search: its running beams, each a block table and a row of every step (beam_search.py); None for a

@@ -59,6 +59,9 @@ class ScheduledRequest:
     # Rope treats every position as in a sequence of at least this many tokens (besides num_prompt_tokens): a
     # request recomputed past LongRoPE's switch length (SchedulerLimits.recompute_past) its length then; else 0.
     rope_min_length: int = 0
+    # Tree drafts (runtime/speculative/tree.py): the parent of each draft verified (-1: the last token); empty
+    # for a chain. Positions and attention then follow the tree (runtime/worker/tree_rows.py).
+    draft_parents: tuple[int, ...] = ()
 
     @property
     def sample(self) -> bool:
@@ -281,8 +284,10 @@ class Scheduler:
                                      num_sampled, request.lora_int_id, self._rope_min_length(request))
                     for k, table_id in enumerate(request.table_ids)]
         tokens = request.token_slice(start, known_end)
+        parents: tuple[int, ...] = ()
         if end > known_end:
             tokens = tokens + request.draft_token_ids[:end - known_end]
+            parents = tuple(request.draft_parents[:end - known_end])  # ancestors first: a prefix is a tree
         return [ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(tokens),
@@ -292,6 +297,7 @@ class Scheduler:
             num_sampled=num_sampled,
             lora_int_id=request.lora_int_id,
             rope_min_length=self._rope_min_length(request),
+            draft_parents=parents,
         )]
 
     def _preempt(self, request: Request) -> None:
@@ -299,7 +305,7 @@ class Scheduler:
         self._free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.draft_token_ids = []
+        request.draft_token_ids, request.draft_parents = [], []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -360,7 +366,7 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids) - rejected
             request.output_token_ids.extend(tokens)
             if item.num_sampled > 1:  # verified drafts: the rejected ones' slots go back
-                request.draft_token_ids = []
+                request.draft_token_ids, request.draft_parents = [], []
                 self.blocks.trim(item.request_id, request.num_tokens)
             if request.num_computed_tokens // self.blocks.block_size > before // self.blocks.block_size:
                 self.blocks.cache_full_blocks(request.request_id, request.token_view(),

@@ -128,6 +128,8 @@ class StepEncoder:
         held = self._ledger.tables
         sent: dict[int, int] = {}  # this step's ledger updates, applied once the message is made
         for r in requests:
+            if r.draft_parents:  # tree drafts come from an EAGLE-3 head, which runs with one rank only
+                raise StepCodecError(f"request {r.request_id!r} verifies tree drafts, which other ranks cannot run")
             ids.append(r.request_id)
             ntok.append(len(r.token_ids))
             tokens += r.token_ids

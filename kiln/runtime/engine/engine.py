@@ -292,9 +292,9 @@ class LLMEngine:
                 num_output, num_tokens = num_output - 1, num_tokens - 1
             # One token per sampled row; with drafts, the tokens up to the first that differs from its draft.
             drafts = launched.schedule.requests[i].draft_token_ids
+            if drafts and self.speculator is not None:  # counted; a tree's accepted path comes back as a chain
+                drafts = self.speculator.verified(launched.schedule.requests[i], out, first_row)
             row_tokens = out.token_ids[first_row:end_row]
-            if drafts and self.speculator is not None:
-                self.speculator.record(drafts, row_tokens)
             status, last_adds_text, kept = None, True, end_row - first_row
             for n, token in enumerate(row_tokens, start=1):
                 # EOS and stop token ids end the request without adding their text (after min_tokens).

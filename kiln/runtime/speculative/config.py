@@ -15,6 +15,10 @@ from pathlib import Path
 METHODS = ("draft_model", "ngram", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read --speculative-model DIR
 MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + K positions per request; more is never worth it
+MAX_EAGLE_TOPK = 8  # tree drafts: children a node expands to (EAGLE-2/3 use 4 to 10; SGLang's default 4 at 8B)
+# The nodes of a tree plus its root span at most 64 keys (one int64 tree mask a query: plugins/tree_mask.py),
+# as do the head's fed-back nodes, eagle_topk per depth.
+MAX_DRAFT_TOKENS = 63
 
 
 def _positive_int(value: object) -> bool:
@@ -26,13 +30,17 @@ class SpeculativeConfig:
     """`num_speculative_tokens`: K, the tokens proposed per request per step (a request may ask for fewer,
     `SamplingParams.num_speculative_tokens`). `model`: the draft engine directory (method "draft_model") or
     the EAGLE-3 head's checkpoint directory (method "eagle3").
-    `ngram_min` .. `ngram_max`: the lengths of the suffix looked up (method "ngram"; the longest match wins)."""
+    `ngram_min` .. `ngram_max`: the lengths of the suffix looked up (method "ngram"; the longest match wins).
+    Tree drafts (method "eagle3"): `eagle_topk` children per expanded node (1: a chain), `num_draft_tokens` the
+    tree's nodes (default K, the chain's), of depth at most K (runtime/speculative/tree.py)."""
 
     method: str
     num_speculative_tokens: int
     model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,16 +61,47 @@ class SpeculativeConfig:
                 raise ValueError(f"{flag} {value!r} must be a positive integer")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"--ngram-min {self.ngram_min} exceeds --ngram-max {self.ngram_max}")
+        self._check_tree()
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether drafts are a tree (eagle_topk > 1) rather than a chain."""
+        return self.eagle_topk > 1
+
+    @property
+    def max_draft_nodes(self) -> int:
+        """The drafts (nodes) a request verifies per step at most: num_draft_tokens, else K."""
+        return self.num_speculative_tokens if self.num_draft_tokens is None else self.num_draft_tokens
+
+    def _check_tree(self) -> None:
+        topk, nodes, k = self.eagle_topk, self.num_draft_tokens, self.num_speculative_tokens
+        if not _positive_int(topk) or topk > MAX_EAGLE_TOPK:
+            raise ValueError(f"eagle_topk {topk!r} must be an integer in [1, {MAX_EAGLE_TOPK}]")
+        if nodes is not None and (not _positive_int(nodes) or nodes > MAX_DRAFT_TOKENS):
+            raise ValueError(f"num_draft_tokens {nodes!r} must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if topk == 1:
+            if nodes is not None and nodes != k:
+                raise ValueError(f"num_draft_tokens {nodes} with eagle_topk 1 (a chain) must equal "
+                                 f"--num-speculative-tokens {k}, or be left out")
+            return
+        if self.method != "eagle3":
+            raise ValueError(f"eagle_topk {topk} (tree drafts) needs --speculative-mode eagle3; "
+                             f"{self.method!r} proposes a chain (eagle_topk 1)")
+        if topk * (k - 1) > MAX_DRAFT_TOKENS + 1:
+            raise ValueError(f"eagle_topk {topk} x (--num-speculative-tokens {k} - 1) = {topk * (k - 1)} nodes "
+                             f"fed back to the head exceed {MAX_DRAFT_TOKENS + 1} (one int64 tree mask)")
 
     @classmethod
     def from_dict(cls, fields: dict) -> SpeculativeConfig:
         """vLLM's `speculative_config` dict: method, model, num_speculative_tokens, ngram_min / ngram_max
-        (vLLM's prompt_lookup_min / prompt_lookup_max are read too); a ValueError names an unknown key."""
+        (vLLM's prompt_lookup_min / prompt_lookup_max are read too), eagle_topk and num_draft_tokens (SGLang's
+        names; tree drafts); a ValueError names an unknown key."""
         fields = dict(fields)
         for theirs, ours in (("prompt_lookup_min", "ngram_min"), ("prompt_lookup_max", "ngram_max")):
             if theirs in fields:
                 fields[ours] = fields.pop(theirs)
-        known = {"method", "model", "num_speculative_tokens", "ngram_min", "ngram_max"}
+        known = {"method", "model", "num_speculative_tokens", "ngram_min", "ngram_max", "eagle_topk",
+                 "num_draft_tokens"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")

@@ -26,11 +26,13 @@ import torch
 
 from kiln.engine_format import EngineError
 from kiln.model_defs.layers.decoder import DecoderForCausalLM
+from kiln.model_defs.layers.mla import MLAttention
 from kiln.runtime.core.block_manager import BlockManager
 from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.sampling.sampler import Sampler, SamplingRow
-from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS
+from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kiln.runtime.speculative.eagle3_head import Eagle3Head, load_head
+from kiln.runtime.speculative.eagle3_tree import HeadTree, grow, new_tree
 from kiln.runtime.speculative.proposer import DraftRequest, Proposal
 from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
 from kiln.runtime.worker.kv_cache import KVCache
@@ -63,8 +65,10 @@ class Eagle3Proposer:
     """`--speculative-mode eagle3 --speculative-model HEAD_DIR`: drafts from an EAGLE-3 head on the target's
     device, with `num_blocks` head KV blocks of `runtime.block_size` (the target's RuntimeConfig)."""
 
-    def __init__(self, head: Eagle3Head, runtime: RuntimeConfig, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, head: Eagle3Head, runtime: RuntimeConfig, num_blocks: int, device: torch.device,
+                 topk: int = 1) -> None:
         self.head = head
+        self.topk = topk  # > 1: tree drafts (eagle3_tree.py)
         self.runtime = runtime
         self.device = device
         self.blocks = BlockManager(num_blocks, runtime.block_size, enable_prefix_caching=False)
@@ -72,11 +76,13 @@ class Eagle3Proposer:
         self.num_features = 3 * head.config.target_hidden_size
         self.sampler = Sampler()
         self._sequences: dict[str, _HeadSequence] = {}
+        self._trees: dict[str, HeadTree] = {}  # tree drafts: request id -> its tree, during a proposal
         # request id -> (first position, [n, F] features) per target step since its last proposal, oldest first.
         self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     @classmethod
-    def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor) -> Eagle3Proposer:
+    def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor,
+             config: SpeculativeConfig | None = None) -> Eagle3Proposer:
         """Reads the head next to the target's network (`target_executor`, a LocalExecutor) and has the target
         capture the layers it reads. EngineError: tensor parallelism, a target whose network keeps no features,
         a head for another model."""
@@ -89,14 +95,18 @@ class Eagle3Proposer:
         if not isinstance(model, DecoderForCausalLM):
             raise EngineError(f"--speculative-mode eagle3: the target's network ({type(model).__name__}) does not "
                               f"hand out hidden states (a Llama-style decoder does)")
+        if config is not None and config.is_tree and any(isinstance(m, MLAttention) for m in model.modules()):
+            raise EngineError(f"eagle_topk {config.eagle_topk} (tree drafts): the target's multi-head latent "
+                              f"attention does not read tree masks; use eagle_topk 1 (a chain)")
         head = load_head(head_dir, target.model_config, model.model.embed_tokens.weight)
         head.setup_rotary(runtime.max_seq_len, runtime.device)
         layers = head.config.feature_layers(target.model_config.num_layers)
         # As many blocks as the target's (one layer's worth), but no more than a full batch of full sequences
         # can use: the target's cache was sized before the head came.
-        per_sequence = -(-(runtime.max_seq_len + MAX_SPECULATIVE_TOKENS) // runtime.block_size)
+        topk = 1 if config is None else config.eagle_topk
+        per_sequence = -(-(runtime.max_seq_len + MAX_SPECULATIVE_TOKENS * topk) // runtime.block_size)
         num_blocks = min(target_executor.num_kv_blocks, runtime.max_batch_size * per_sequence)
-        proposer = cls(head, runtime, num_blocks, runtime.device)
+        proposer = cls(head, runtime, num_blocks, runtime.device, topk)
         try:
             target_executor.capture_hidden(layers, proposer.observe)
         except ValueError as e:
@@ -119,6 +129,17 @@ class Eagle3Proposer:
         work = [w for w in (self._start(r) for r in requests) if w is not None]
         if not work:
             return {}
+        if self.topk > 1:  # tree drafts
+            self._trees = {w.request.request_id: new_tree(self, w) for w in work}
+            self._catch_up(work)
+            while growing := [w for w in work if self._trees[w.request.request_id].search.frontier]:
+                grow(self, self._trees, growing)
+            trees, self._trees = self._trees, {}
+            proposals = {}
+            for request_id, tree in trees.items():
+                tokens, parents = tree.search.result()
+                proposals[request_id] = Proposal(tokens, None, parents)
+            return proposals
         self._catch_up(work)
         for _ in range(max(w.request.max_tokens for w in work) - 1):
             self._decode([w for w in work if len(w.drafts) < w.request.max_tokens])
@@ -127,6 +148,13 @@ class Eagle3Proposer:
             probs = torch.stack(w.probs) if w.probs else None  # [k, V]
             proposals[w.request.request_id] = Proposal(w.drafts, probs)
         return proposals
+
+    def accept_path(self, request_id: str, start: int, rows: list[int]) -> None:
+        """A tree's verify step (computed at positions start..) kept `rows` of it, in order: its features of
+        positions start, start + 1, ... are those rows' (the root's, then the accepted nodes')."""
+        chunks = self._features.get(request_id)
+        if chunks and chunks[-1][0] == start:
+            chunks[-1] = (start, chunks[-1][1][rows])
 
     def release(self, request_id: str) -> None:
         self._features.pop(request_id, None)
@@ -151,7 +179,8 @@ class Eagle3Proposer:
         # Position N-2 (reading the last token) is always computed: it gives the first draft.
         start = min(seq.done, n - 2)
         # Slots for positions 0..N-2 and for the drafts fed back (positions N-1 .. N+k-3).
-        if not self.blocks.allocate(request.request_id, n - 1 + request.max_tokens - 1):
+        # (a tree feeds up to topk nodes a depth: eagle3_tree.py)
+        if not self.blocks.allocate(request.request_id, n - 1 + (request.max_tokens - 1) * self.topk):
             # Its head cache goes (the next proposal starts over at position 0); the features kept stay.
             self.release(request.request_id)
             self._features[request.request_id] = chunks
@@ -221,6 +250,11 @@ class Eagle3Proposer:
             return
         rows = packed.sample_rows  # [R]: one per sampled item
         logits = self.head.target_logits(normed[rows])  # [R, V]
+        if self.topk > 1:  # the roots of trees: their children are the topk best tokens (eagle3_tree.py)
+            logprobs, hidden = logits.log_softmax(-1), prenorm[rows]  # [R, V], [R, H]
+            for i, w in enumerate(sampled):
+                self._trees[w.request.request_id].take([-1], logprobs[i:i + 1], hidden[i:i + 1])
+            return
         tokens, probs = self.sampler.draw_with_probs(logits, [self._row(w) for w in sampled])
         hidden = prenorm[rows]  # [R, H]
         for i, (w, token) in enumerate(zip(sampled, tokens.tolist())):

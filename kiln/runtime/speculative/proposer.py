@@ -20,21 +20,26 @@ from kiln.runtime.sampling.sampler import SamplingRow
 @dataclass(frozen=True)
 class DraftRequest:
     """A request to propose for: all its tokens so far (prompt + accepted output; the last one is not in the
-    target's cache yet) and at most `max_tokens` drafts. `row`: its sampling settings and generator."""
+    target's cache yet) and at most `max_tokens` drafts. `row`: its sampling settings and generator. A tree
+    proposer (eagle_topk > 1) drafts at most `max_nodes` nodes to a depth of at most `max_tokens`."""
 
     request_id: str
     token_ids: Sequence[int]
     max_tokens: int
     row: SamplingRow
+    max_nodes: int = 0  # 0: a chain (max_tokens drafts)
 
 
 @dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one request, in order. `probs`: [len(token_ids), V] float32, the distribution each
-    draft was sampled from, or None when each draft is certain (q is one-hot at it: greedy drafts, lookup)."""
+    draft was sampled from, or None when each draft is certain (q is one-hot at it: greedy drafts, lookup).
+    `parents` (tree drafts): node i's parent index, -1 for the request's last token, ancestors before their
+    descendants; None for a chain. A tree's nodes are chosen, not sampled: probs is None."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
 
 class Proposer(Protocol):

@@ -20,22 +20,24 @@ from kiln.runtime.speculative.config import SpeculativeConfig
 from kiln.runtime.speculative.proposer import DraftRequest, Proposer
 from kiln.runtime.speculative.rejection import DraftRows
 from kiln.runtime.speculative.stats import SpeculationStats
+from kiln.runtime.speculative.tree import accepted_path, chain_view, kv_moves, path_to
+from kiln.runtime.worker.step_inputs import slot_of
 
 
 def verification_rows(items: Sequence[ScheduledRequest], offsets: Sequence[int],
                       row_of: Callable[[str], SamplingRow]) -> list[SamplingRow]:
     """The sampling row of every sampled position of a step: request i's rows offsets[i]..offsets[i+1]; its
-    j-th row sees the request's first j drafts as output."""
+    j-th row sees the request's first j drafts as output (a tree's node row: the path down to the node)."""
     rows: list[SamplingRow] = []
     for i, item in enumerate(items):
         count = offsets[i + 1] - offsets[i]
         if not count:
             continue
         base = row_of(item.request_id)
-        drafts = item.draft_token_ids
+        drafts, parents = item.draft_token_ids, item.draft_parents
         rows.append(base)
         for j in range(1, count):
-            seen = drafts[:j]
+            seen = [drafts[node] for node in path_to(parents, j - 1)] if parents else drafts[:j]
             rows.append(SamplingRow(base.params, base.prompt_token_ids, [*base.output_token_ids, *seen],
                                     base.generator) if seen else base)
     return rows
@@ -52,10 +54,13 @@ def num_accepted(drafts: Sequence[int], tokens: Sequence[int]) -> int:
 class Speculator:
     """Owns the proposer; `max_seq_len`: the engine's (a verify step never goes past it)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_seq_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_seq_len: int, *,
+                 move_kv: Callable[[list[int], list[int]], None] | None = None, block_size: int = 1) -> None:
         self.config = config
         self.proposer = proposer
         self.max_seq_len = max_seq_len
+        # Tree drafts: moves the target's KV from slots to slots (an accepted path's keys to consecutive ones).
+        self.move_kv, self.block_size = move_kv, block_size
         self.stats = SpeculationStats(config.num_speculative_tokens)
         self._probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q of its current drafts, when sampled
 
@@ -77,19 +82,31 @@ class Speculator:
         """Sets every running request's `draft_token_ids` for the next schedule (empty where none)."""
         wanted, by_id = [], {}
         for request in running:
-            request.draft_token_ids = []
+            request.draft_token_ids, request.draft_parents = [], []
             self._probs.pop(request.request_id, None)
             k = self.max_drafts(request)
             if k:
                 by_id[request.request_id] = request
-                wanted.append(DraftRequest(request.request_id, request.all_token_ids, k, row_of(request.request_id)))
+                wanted.append(DraftRequest(request.request_id, request.all_token_ids, k, row_of(request.request_id),
+                                           self._max_nodes(request)))
         if not wanted:
             return
         for request_id, proposal in self.proposer.propose(wanted).items():
             request = by_id[request_id]
+            if proposal.parents is not None:  # a tree: a prefix of its nodes is a tree
+                nodes = self._max_nodes(request)
+                request.draft_token_ids = list(proposal.token_ids[:nodes])
+                request.draft_parents = list(proposal.parents[:nodes])
+                continue
             request.draft_token_ids = list(proposal.token_ids[:self.max_drafts(request)])
             if proposal.probs is not None and request.draft_token_ids:
                 self._probs[request_id] = proposal.probs
+
+    def _max_nodes(self, request: Request) -> int:
+        """Tree drafts: the nodes a request may verify (their keys stay below max_seq_len); 0 for a chain."""
+        if not self.config.is_tree:
+            return 0
+        return max(0, min(self.config.max_draft_nodes, self.max_seq_len - request.num_tokens - 1))
 
     def draft_rows(self, items: Sequence[ScheduledRequest], offsets: Sequence[int], vocab_size: int,
                    device: torch.device) -> DraftRows | None:
@@ -119,6 +136,26 @@ class Speculator:
         """Counts one request's verify step: its drafts and the target's tokens at its sampled positions."""
         self.stats.record(len(drafts), num_accepted(drafts, tokens))
 
+    def verified(self, item: ScheduledRequest, out, first_row: int) -> Sequence[int]:
+        """A verify step of `item` read back (`out`: the step's SamplerOutput, its rows from first_row): counts it
+        and returns the drafts the engine checks its tokens against. A tree's accepted path is handed back as a
+        chain (tree.chain_view reorders the rows), its keys moved to consecutive slots and the proposer told."""
+        drafts, parents = item.draft_token_ids, item.draft_parents
+        rows = len(drafts) + 1
+        if not parents:
+            self.record(drafts, out.token_ids[first_row:first_row + rows])
+            return drafts
+        path = accepted_path(parents, drafts, out.token_ids[first_row:first_row + rows])
+        self.stats.record(len(drafts), len(path))
+        moves = kv_moves(item.start_position, path)
+        if moves and self.move_kv is not None:
+            self.move_kv([slot_of(item.block_ids, src, self.block_size) for src, _ in moves],
+                         [slot_of(item.block_ids, dst, self.block_size) for _, dst in moves])
+        accept = getattr(self.proposer, "accept_path", None)
+        if accept is not None:
+            accept(item.request_id, item.start_position, [0, *(1 + i for i in path)])
+        return chain_view(out, first_row, rows, drafts, path)
+
     def release(self, request_id: str) -> None:
         self._probs.pop(request_id, None)
         self.proposer.release(request_id)
@@ -141,7 +178,13 @@ def make_speculator(config: SpeculativeConfig, target, runtime, *, create_execut
     elif config.method == "eagle3":
         from kiln.runtime.speculative.eagle3 import Eagle3Proposer
 
-        proposer = Eagle3Proposer.load(config.model, target, runtime, target_executor)
+        proposer = Eagle3Proposer.load(config.model, target, runtime, target_executor, config)
+        if config.is_tree:  # the accepted path's keys move to consecutive slots after each verify step
+            from kiln.plugins.kv_move import move_kv_slots
+
+            layers = target_executor.runner.kv_cache.layers
+            return Speculator(config, proposer, runtime.max_seq_len, block_size=runtime.block_size,
+                              move_kv=lambda src, dst: move_kv_slots(layers, src, dst))
     else:
         from kiln.runtime.speculative.draft_model import DraftModelProposer
 

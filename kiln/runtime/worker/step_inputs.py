@@ -24,6 +24,7 @@ from kiln.runtime.sampling.host_tensors import array_to_device, to_device
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
+from kiln.runtime.worker.tree_rows import tree_rows
 
 
 def slot_of(block_ids: Sequence[int], position: int, block_size: int) -> int:
@@ -83,18 +84,21 @@ class PackedStep:
 def build_context(*, positions: list[int], rope_lengths: list[int], slots: list[int],
                   tables: Sequence[Sequence[int]] | np.ndarray, query_lens: Sequence[int],
                   kv_caches: tuple[LayerCache, ...], device: torch.device,
-                  kv_scales: tuple[LayerScales, ...] | None = None) -> ForwardContext:
+                  kv_scales: tuple[LayerScales, ...] | None = None, seq_lens: Sequence[int] | None = None,
+                  tree_mask: Sequence[int] | None = None) -> ForwardContext:
     """A ForwardContext from host lists; each sequence's length after the step is its table's start
     position plus its query length, given here through `positions` (the last one of each sequence).
     `tables`: each sequence's block ids, or already padded into an int32 array [S, width] (what
     `BlockTableMirror.gather` makes). `kv_scales`: the cache's per-layer (k_scale, v_scale) device tensors
-    (`KVCache.scales`), None for a float cache."""
+    (`KVCache.scales`), None for a float cache. Tree drafts, whose positions are not their keys' indices: each
+    sequence's key count `seq_lens` and every token's `tree_mask` (plugins/tree_mask.py)."""
     if not isinstance(tables, np.ndarray):
         tables = BlockTableMirror().gather(tables)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    seq_lens = [positions[end - 1] + 1 for end in starts[1:]]
+    if seq_lens is None:
+        seq_lens = [positions[end - 1] + 1 for end in starts[1:]]
     return ForwardContext(
         positions=to_device(positions, torch.int64, device),
         rope_lengths=to_device(rope_lengths, torch.int64, device),
@@ -105,6 +109,7 @@ def build_context(*, positions: list[int], rope_lengths: list[int], slots: list[
         kv_caches=kv_caches,
         max_rope_length=max(rope_lengths),
         kv_scales=kv_scales,
+        tree_mask=None if tree_mask is None else to_device(tree_mask, torch.int64, device),
     )
 
 
@@ -121,21 +126,33 @@ def pack_step(step: SchedulerOutput, block_size: int, kv_caches: tuple[LayerCach
     sample_rows: list[int] = []
     offsets = [0]
     query_lens: list[int] = []
+    # Tree drafts being verified (a rare step): every token's tree mask, 0 for causal ones (tree_rows.py).
+    tree_masks: list[int] | None = [] if any(r.draft_parents for r in step.requests) else None
     end = 0
     for r in step.requests:
         n = len(r.token_ids)
         start, stop = r.start_position, r.start_position + n
         input_ids.extend(r.token_ids)
-        positions.extend(range(start, stop))
-        rope_lengths.extend(rope_lengths_of(start, stop, max(r.num_prompt_tokens, r.rope_min_length)))
+        if r.draft_parents:  # a tree's nodes: rope positions start + depth, keys start..stop-1 as always
+            mine, masks = tree_rows(r)
+            positions.extend(mine)
+            rope_lengths.extend(rope_length(p, max(r.num_prompt_tokens, r.rope_min_length)) for p in mine)
+            tree_masks.extend(masks)
+        else:
+            positions.extend(range(start, stop))
+            rope_lengths.extend(rope_lengths_of(start, stop, max(r.num_prompt_tokens, r.rope_min_length)))
+            if tree_masks is not None:
+                tree_masks.extend([0] * n)
         slots.extend(slots_of(r.block_ids, start, stop, block_size))
         end += n
         sample_rows.extend(range(end - r.num_sampled, end))
         offsets.append(len(sample_rows))
         query_lens.append(n)
     tables = (mirror if mirror is not None else step_mirror()).gather([r.block_ids for r in step.requests])
+    trees = {} if tree_masks is None else {  # a tree's last position is not its key count
+        "tree_mask": tree_masks, "seq_lens": [r.start_position + len(r.token_ids) for r in step.requests]}
     context = build_context(positions=positions, rope_lengths=rope_lengths, slots=slots, tables=tables,
-                            query_lens=query_lens, kv_caches=kv_caches, device=device, kv_scales=kv_scales)
+                            query_lens=query_lens, kv_caches=kv_caches, device=device, kv_scales=kv_scales, **trees)
     return PackedStep(to_device(input_ids, torch.int64, device), context,
                       to_device(sample_rows, torch.int64, device), tuple(offsets))
 

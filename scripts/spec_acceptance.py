@@ -11,7 +11,7 @@ windows one at a time): wall time inside `propose` (its catch-up on accepted tok
     kiln build --checkpoint examples/kiln-tiny-code --output /tmp/tiny --dtype float32
     kiln build --checkpoint examples/kiln-tiny-code-draft --output /tmp/tiny-draft --dtype float32
     python scripts/spec_acceptance.py --engine /tmp/tiny --draft /tmp/tiny-draft \
-        --eagle3 examples/kiln-tiny-code-eagle3 --time-drafts
+        --eagle3 examples/kiln-tiny-code-eagle3 --trees 2:8,4:16 --time-drafts
 """
 
 from __future__ import annotations
@@ -37,28 +37,34 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=5)
     parser.add_argument("--eagle3", help="an EAGLE-3 head directory (examples/kiln-tiny-code-eagle3)")
     parser.add_argument("--methods", default="draft_model,ngram,eagle3", help="comma-separated proposers to run")
+    parser.add_argument("--trees", default="", metavar="TOPK:NODES,...",
+                        help="also EAGLE-3 tree drafts: eagle_topk:num_draft_tokens pairs, each for K = 2..max-k")
     parser.add_argument("--time-drafts", action="store_true", help="also time each model proposer per draft token")
     args = parser.parse_args()
     models = {"draft_model": args.draft, "eagle3": args.eagle3, "ngram": None}
     names = {"draft_model": "draft model", "ngram": "n-gram (1..4)", "eagle3": "EAGLE-3 head"}
-    methods = [m for m in args.methods.split(",") if m != "eagle3" or args.eagle3]
+    methods = [m for m in args.methods.split(",") if m in names and (m != "eagle3" or args.eagle3)]
 
     with LLM(args.engine, num_kv_blocks=256) as plain:
         ids = list(plain.tokenizer.encode(HELDOUT.read_text()))
     prompts = text_prompts(ids, args.num_prompts, args.input_len, seed=0)
     print("| proposer | K | temperature | mean accepted length | acceptance rate | acceptance per position |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for method in methods:
+    runs = [(m, names[m], 1, None) for m in methods]
+    for pair in filter(None, args.trees.split(",")):
+        topk, nodes = (int(v) for v in pair.split(":"))
+        runs.append(("eagle3", f"EAGLE-3 tree (top-{topk}, {nodes} nodes)", topk, nodes))
+    for method, name, topk, nodes in runs:
         for temperature in (0.0, 0.8):
-            for k in range(1, args.max_k + 1):
-                config = SpeculativeConfig(method, k, model=models[method])
+            for k in range(1 if nodes is None else 2, args.max_k + 1):
+                config = SpeculativeConfig(method, k, model=models[method], eagle_topk=topk, num_draft_tokens=nodes)
                 params = [SamplingParams(max_tokens=args.output_len, temperature=temperature, ignore_eos=True,
                                          seed=None if temperature == 0 else i) for i in range(len(prompts))]
                 with LLM(args.engine, speculative_config=config) as llm:
                     llm.generate(prompts, params)
                     s = llm.speculation_stats()
                 per_position = " / ".join(f"{a:.2f}" for a in s["acceptance_per_position"])
-                print(f"| {names[method]} | {k} | {temperature:g} | {s['mean_accepted_length']:.2f} | "
+                print(f"| {name} | {k} | {temperature:g} | {s['mean_accepted_length']:.2f} | "
                       f"{s['acceptance_rate']:.2f} | {per_position} |", flush=True)
     if args.time_drafts:
         for method in (m for m in ("draft_model", "eagle3") if models[m]):

@@ -330,3 +330,19 @@ def test_cuda_tree_greedy_output_is_identical_to_decoding_without_speculation(tm
         assert kv["free_blocks"] == kv["total_blocks"]
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
         assert llm.speculation_stats()["num_accepted_tokens"] > 0
+
+
+def test_tree_flags_reach_the_config_and_need_eagle3():
+    import argparse
+
+    from kiln.commands.runtime_args import add_runtime_args, runtime_options
+
+    parser = argparse.ArgumentParser()
+    add_runtime_args(parser)
+    args = parser.parse_args(["--speculative-mode", "eagle3", "--speculative-model", "/heads/h",
+                              "--num-speculative-tokens", "5", "--speculative-eagle-topk", "4",
+                              "--speculative-num-draft-tokens", "8"])
+    config = runtime_options(args).speculative_config
+    assert (config.eagle_topk, config.num_draft_tokens, config.num_speculative_tokens) == (4, 8, 5)
+    with pytest.raises(ValueError, match="--speculative-eagle-topk .* need --speculative-mode eagle3"):
+        runtime_options(parser.parse_args(["--speculative-eagle-topk", "2"]))

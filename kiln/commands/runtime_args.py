@@ -12,7 +12,7 @@ from kiln.runtime.speculative.config import METHODS
 
 # Flags that set a part of a field rather than the whole of it (speculative_config is built from several).
 SPECULATIVE_FLAGS = ("--speculative-model", "--speculative-mode", "--num-speculative-tokens", "--ngram-min",
-                     "--ngram-max")
+                     "--ngram-max", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
 
 def flag_of(name: str) -> str:
@@ -51,6 +51,10 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="tokens proposed per request per step (default 4)")
     s.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix looked up (default 1)")
     s.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix looked up (default 4)")
+    s.add_argument("--speculative-eagle-topk", type=int, default=1, metavar="N",
+                   help="eagle3: tree drafts, N children per expanded node (default 1: a chain; SGLang's flag)")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                   help="eagle3 trees: the nodes verified per step (default K)")
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
@@ -59,5 +63,6 @@ def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
               if f.name != "speculative_config"}
     speculative = SpeculativeConfig.from_options(
         speculative_model=args.speculative_model, speculative_mode=args.speculative_mode,
-        num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+        num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        eagle_topk=args.speculative_eagle_topk, num_draft_tokens=args.speculative_num_draft_tokens)
     return RuntimeOptions(**values, speculative_config=speculative)

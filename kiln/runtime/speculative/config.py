@@ -113,19 +113,22 @@ class SpeculativeConfig:
 
     @classmethod
     def from_options(cls, *, speculative_model: str | None = None, speculative_mode: str | None = None,
-                     num_speculative_tokens: int | None = None, ngram_min: int = 1,
-                     ngram_max: int = 4) -> SpeculativeConfig | None:
+                     num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
+                     eagle_topk: int = 1, num_draft_tokens: int | None = None) -> SpeculativeConfig | None:
         """The config the command-line flags (or `LLM(...)` keywords) ask for; None when they ask for none.
         A draft model alone implies method "draft_model"; K defaults to 4 (vLLM's usual choice is 3 to 5)."""
         if speculative_model is None and speculative_mode is None:
             if num_speculative_tokens is not None:
                 raise ValueError("--num-speculative-tokens needs --speculative-model DIR or --speculative-mode "
                                  "ngram")
+            if eagle_topk != 1 or num_draft_tokens is not None:
+                raise ValueError("--speculative-eagle-topk / --speculative-num-draft-tokens (tree drafts) need "
+                                 "--speculative-mode eagle3 --speculative-model HEAD_DIR")
             return None
         method = speculative_mode or "draft_model"
         k = 4 if num_speculative_tokens is None else num_speculative_tokens
         return cls(method=method, num_speculative_tokens=k, model=speculative_model, ngram_min=ngram_min,
-                   ngram_max=ngram_max)
+                   ngram_max=ngram_max, eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens)
 
 
 def speculative_config_of(value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

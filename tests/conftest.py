@@ -7,6 +7,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`) each worker takes its share of the cores: every worker at torch's default
+    (one thread per core) would oversubscribe them and spin in each other's way."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kiln_cache_dir(tmp_path_factory):
     """Weight-verification stamps go to a folder of the test session, never to the user's ~/.cache."""

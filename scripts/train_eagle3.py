@@ -17,6 +17,10 @@ embedding is the target's (the head has none of its own), and lm_head starts fro
 embedding and `norm` from its final norm, both frozen: the head learns to map into the target's output space.
 
     OMP_NUM_THREADS=1 python scripts/train_eagle3.py --out examples/kiln-tiny-code-eagle3 --time-budget 780
+
+On a GPU (`--device cuda`), with the token stream encoded on another machine so that the corpus is the same:
+    python scripts/train_eagle3.py --dump-stream stream.npy            # here: writes stream.npy + stream.json
+    python scripts/train_eagle3.py --stream stream.npy --device cuda --batch-size 64 --out HEAD   # there
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Hugging Face's rotate_half rope: x [B, heads, S, D], positions [S]."""
     d = x.shape[-1]
-    angles = positions[:, None].float() * (1.0 / theta ** (torch.arange(0, d, 2).float() / d))  # [S, D/2]
+    angles = positions[:, None].float() * (1.0 / theta ** (torch.arange(0, d, 2, device=x.device).float() / d))  # [S, D/2]
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -123,7 +127,7 @@ class TrainHead(nn.Module):
         hidden = features @ p["fc"].T  # [B, S, H]
         keys, values, out = [], [], []
         for k, tok in enumerate(tokens):
-            pos = torch.arange(s) + k  # step k + 1 at chain start p sits at position p + k
+            pos = torch.arange(s, device=features.device) + k  # step k + 1 at chain start p sits at position p + k
             x = torch.cat([rms(self.embed[tok], p["input_ln"], self.eps), rms(hidden, p["hidden_norm"], self.eps)], -1)
             q = rope((x @ p["q"].T).view(b, s, self.heads, -1).transpose(1, 2), pos, self.theta)  # [B, h, S, D]
             kk = rope((x @ p["k"].T).view(b, s, self.kv_heads, -1).transpose(1, 2), pos, self.theta)
@@ -132,7 +136,7 @@ class TrainHead(nn.Module):
             values.append(vv.repeat_interleave(rep, 1))
             scale = self.head_dim ** -0.5
             first = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, S, S]: step 1's keys, causal in chain start
-            first = first.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            first = first.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
             diag = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # [B, h, S, 1] each: own chain
             probs = torch.cat([first, *diag], -1).softmax(-1)
             attn = probs[..., :s] @ values[0]
@@ -156,6 +160,7 @@ class TrainHead(nn.Module):
              "midlayer.post_attention_layernorm.weight": p["post_ln"], "norm.weight": self.norm,
              "lm_head.weight": self.lm_head}
         out = {k: v.detach().to(dtype).contiguous().clone() for k, v in t.items()}
+        out = {k: v.cpu() for k, v in out.items()}
         out["d2t"] = torch.zeros(vocab, dtype=torch.int64)  # draft vocabulary = target vocabulary
         out["t2d"] = torch.ones(vocab, dtype=torch.bool)
         return out
@@ -176,12 +181,12 @@ def step_inputs(window: torch.Tensor, probs: torch.Tensor, s: int, unroll: int):
     return ([window[:, k + 1:k + 1 + s] for k in range(unroll)], [probs[:, k + 1:k + 1 + s] for k in range(unroll)])
 
 
-def evaluate(head, target, stream: np.ndarray, layers, s: int, unroll: int, windows: int) -> list[float]:
+def evaluate(head, target, stream: np.ndarray, layers, s: int, unroll: int, windows: int, device) -> list[float]:
     """Top-1 agreement with the target's argmax per unrolled step over the first `windows` windows of `stream`."""
     hits, n = [0.0] * unroll, 0
     with torch.no_grad():
         for i in range(windows):
-            w = torch.from_numpy(stream[i * (s + unroll):(i + 1) * (s + unroll)])[None]
+            w = torch.from_numpy(stream[i * (s + unroll):(i + 1) * (s + unroll)].astype(np.int64))[None].to(device)
             if w.shape[1] < s + unroll:
                 break
             feats, probs = target_pass(target, w, layers, s)
@@ -218,12 +223,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--corpus-bytes", type=int, default=12_000_000)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--stream", default=None, help="a token stream written by --dump-stream (instead of this machine's corpus)")
+    ap.add_argument("--dump-stream", default=None, metavar="FILE.npy", help="encode the corpus, write it and stop")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    target = LlamaForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    target = LlamaForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval().to(device)
     target.requires_grad_(False)
     tcfg = json.loads((Path(args.target) / "config.json").read_text())
     n_layers = tcfg["num_hidden_layers"]
@@ -231,13 +241,22 @@ def main() -> None:
     cfg = head_config(tcfg, layers)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     t0 = time.time()
-    texts, corpus = sample_corpus(args.corpus_bytes, args.seed)
-    stream = encode(tokenizer, texts)
+    if args.stream:
+        stream = np.load(args.stream).astype(np.int64)
+        corpus = json.loads(Path(args.stream).with_suffix(".json").read_text())
+    else:
+        texts, corpus = sample_corpus(args.corpus_bytes, args.seed)
+        stream = encode(tokenizer, texts)
+    if args.dump_stream:  # vocabulary 8192 fits uint16
+        np.save(args.dump_stream, stream.astype(np.uint16))
+        Path(args.dump_stream).with_suffix(".json").write_text(json.dumps(corpus) + "\n")
+        print(f"wrote {args.dump_stream}: {stream.size:,} tokens")
+        return
     heldout = np.asarray(tokenizer.backend_tokenizer.encode(HELDOUT.read_text(), add_special_tokens=False).ids)
     corpus.update(train_tokens=int(stream.size), prepare_s=round(time.time() - t0, 1))
     print(f"corpus: {corpus['train_files']} files, {stream.size:,} tokens in {corpus['prepare_s']}s", flush=True)
 
-    head = TrainHead(cfg, target.model.embed_tokens.weight.detach(), target.model.norm.weight.detach())
+    head = TrainHead(cfg, target.model.embed_tokens.weight.detach(), target.model.norm.weight.detach()).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(args.seed)
@@ -246,7 +265,7 @@ def main() -> None:
     log, step, start, est_steps = [], 0, time.time(), None
     while time.time() - start < args.time_budget:
         offsets = rng.integers(0, stream.size - s - u, args.batch_size)
-        window = torch.from_numpy(np.stack([stream[o:o + s + u] for o in offsets]))  # [B, S + U]
+        window = torch.from_numpy(np.stack([stream[o:o + s + u] for o in offsets])).to(device)  # [B, S + U]
         feats, probs = target_pass(target, window, layers, s)
         toks, goals = step_inputs(window, probs, s, u)
         logits = head(toks, feats)
@@ -272,7 +291,7 @@ def main() -> None:
             log.append(entry)
             print(entry, flush=True)
     train_s = round(time.time() - start, 1)
-    held = evaluate(head, target, heldout, layers, s, u, windows=12)
+    held = evaluate(head, target, heldout, layers, s, u, windows=12, device=device)
     print(f"held-out top-1 agreement with the target per step: {held}", flush=True)
 
     out = Path(args.out)
@@ -290,9 +309,11 @@ def main() -> None:
                    "loss": "soft cross-entropy against the target's next-token distribution (distillation)",
                    "frozen": "lm_head (the target's tied embedding), norm (the target's final norm), embedding"},
         "corpus": corpus, "trainable_params": trainable, "steps": step, "train_time_s": train_s,
-        "tokens_seen": step * args.batch_size * s, "device_name": "CPU (1 thread)", "log": log,
+        "tokens_seen": step * args.batch_size * s, "log": log,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))",
         "heldout_top1_per_step": held,
-        "command": "OMP_NUM_THREADS=1 python scripts/train_eagle3.py " + " ".join(sys.argv[1:]),
+        "command": ("OMP_NUM_THREADS=1 " if device.type == "cpu" else "") + "python scripts/train_eagle3.py "
+                   + " ".join(sys.argv[1:]),
     }
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)")

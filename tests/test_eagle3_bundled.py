@@ -30,9 +30,13 @@ def test_bundled_head_is_exact_and_accepted(tiny_code_engine):
         ids = list(plain.tokenizer.encode((EXAMPLES / "heldout-sample.txt").read_text()))
         prompts = text_prompts(ids, 2, 48, seed=1)
         reference = [o.token_ids for o in plain.generate(prompts, params)]
-    config = SpeculativeConfig("eagle3", 4, model=str(HEAD))
-    with LLM(tiny_code_engine, num_kv_blocks=64, speculative_config=config) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == reference
-        stats = llm.speculation_stats()
-    assert stats["num_accepted_tokens"] > 0
-    assert stats["mean_accepted_length"] > 1.15  # a trained head (1.42 at K = 4 on the table), not a random one (~1.05)
+    lengths = []
+    for topk, nodes in ((1, None), (2, 8)):  # a chain, then a tree
+        config = SpeculativeConfig("eagle3", 4, model=str(HEAD), eagle_topk=topk, num_draft_tokens=nodes)
+        with LLM(tiny_code_engine, num_kv_blocks=64, speculative_config=config) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+            stats = llm.speculation_stats()
+        assert stats["num_accepted_tokens"] > 0
+        lengths.append(stats["mean_accepted_length"])
+    # a trained head (3.02 as a chain, 3.49 as a 2 x 8 tree at K = 4 on the table), not a random one (~1.05)
+    assert lengths[0] > 1.5 and lengths[1] >= lengths[0]

@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory (config.json, weights, "
                                                        "tokenizer files)")
     p.add_argument("--output", required=True, help="engine directory to write (replaced if it is an engine)")
+    p.add_argument("--speculative-target", default=None, metavar="TARGET_ENGINE",
+                   help="with an EAGLE-3 head checkpoint (LlamaForCausalLMEagle3): the kiln engine it drafts for; "
+                        "builds a head engine for --speculative-mode eagle3 --speculative-model (--dtype auto: the "
+                        "target's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype (default: auto)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -97,11 +101,14 @@ def parse_qformat_flag(name: str):
 def run(args: argparse.Namespace) -> int:
     from kiln.builder.build import build_engine
     from kiln.builder.build_config import BuildConfig
+    from kiln.builder.eagle3_head import is_head_checkpoint
     from kiln.builder.kernel_store import stored_kernels_line
 
     from .build_summary import engine_summary
     from .text_file import read_text_arg
 
+    if args.speculative_target is not None or is_head_checkpoint(args.checkpoint):  # an EAGLE-3 head
+        return _run_head(args)
     eval_text = read_text_arg(args.eval_text, "--eval-text") if args.eval_text else None  # fail before building
     config = BuildConfig(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                          max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
@@ -125,4 +132,22 @@ def run(args: argparse.Namespace) -> int:
         from .build_eval import compare_perplexity
 
         print(compare_perplexity(Path(args.checkpoint), out, config, eval_text), file=sys.stderr)
+    return 0
+
+
+def _run_head(args: argparse.Namespace) -> int:
+    """`kiln build --checkpoint HEAD_DIR --speculative-target TARGET_ENGINE`: a head engine (builder/eagle3_head.py);
+    the flags that shape a model engine (quantization, ranks, dummy weights) do not apply to it."""
+    from kiln.builder.build import BuildError
+    from kiln.builder.eagle3_head import build_head_engine
+
+    for flag, value, default in (("--qformat", args.qformat.name, "full_prec"), ("--tp-size", args.tp_size, 1),
+                                 ("--dummy-weights", args.dummy_weights, False),
+                                 ("--kv-cache-dtype", args.kv_cache_dtype, "auto")):
+        if value != default:
+            raise BuildError(f"{flag} {value} does not apply to an EAGLE-3 head engine (--speculative-target)")
+    start = time.perf_counter()
+    out = build_head_engine(args.checkpoint, args.output, args.speculative_target, args.dtype)
+    print(f"EAGLE-3 head engine written to {out} for {args.speculative_target} in {time.perf_counter() - start:.1f}s",
+          file=sys.stderr)
     return 0

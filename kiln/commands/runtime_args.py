@@ -44,7 +44,8 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="a draft kiln engine (same vocabulary) that proposes tokens the engine verifies, or "
-                        "with --speculative-mode eagle3 an EAGLE-3 head checkpoint (config.json + safetensors)")
+                        "with --speculative-mode eagle3 an EAGLE-3 head checkpoint (config.json + safetensors) "
+                        "or a head engine (kiln build --speculative-target)")
     s.add_argument("--speculative-mode", default=None, choices=METHODS,
                    help="draft_model or eagle3 (with --speculative-model) or ngram (prompt lookup, no model)")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (registers the architectures)
            deepseek,
+           eagle3_head,
            gemma2,
            gemma3,
            gpt_oss,

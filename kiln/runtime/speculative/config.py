@@ -29,7 +29,7 @@ def _positive_int(value: object) -> bool:
 class SpeculativeConfig:
     """`num_speculative_tokens`: K, the tokens proposed per request per step (a request may ask for fewer,
     `SamplingParams.num_speculative_tokens`). `model`: the draft engine directory (method "draft_model") or
-    the EAGLE-3 head's checkpoint directory (method "eagle3").
+    the EAGLE-3 head's checkpoint or head engine directory (method "eagle3").
     `ngram_min` .. `ngram_max`: the lengths of the suffix looked up (method "ngram"; the longest match wins).
     Tree drafts (method "eagle3"): `eagle_topk` children per expanded node (1: a chain), `num_draft_tokens` the
     tree's nodes (default K, the chain's), of depth at most K (runtime/speculative/tree.py)."""

@@ -82,10 +82,10 @@ class Eagle3Proposer:
 
     @classmethod
     def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor,
-             config: SpeculativeConfig | None = None) -> Eagle3Proposer:
-        """Reads the head next to the target's network (`target_executor`, a LocalExecutor) and has the target
-        capture the layers it reads. EngineError: tensor parallelism, a target whose network keeps no features,
-        a head for another model."""
+             config: SpeculativeConfig | None = None, *, verify_checksums: bool = True) -> Eagle3Proposer:
+        """Reads the head (a checkpoint or a head engine, its files verified unless `verify_checksums` is False)
+        next to the target's network (`target_executor`, a LocalExecutor) and has the target capture the layers it
+        reads. EngineError: tensor parallelism, a target whose network keeps no features, a head for another model."""
         tp = target.config.mapping.tp_size
         if tp > 1:
             raise EngineError(f"--speculative-mode eagle3 runs with one rank; the target engine "
@@ -98,7 +98,8 @@ class Eagle3Proposer:
         if config is not None and config.is_tree and any(isinstance(m, MLAttention) for m in model.modules()):
             raise EngineError(f"eagle_topk {config.eagle_topk} (tree drafts): the target's multi-head latent "
                               f"attention does not read tree masks; use eagle_topk 1 (a chain)")
-        head = load_head(head_dir, target.model_config, model.model.embed_tokens.weight)
+        head = load_head(head_dir, target.model_config, model.model.embed_tokens.weight, target_spec=target.spec,
+                         verify_checksums=verify_checksums)
         head.setup_rotary(runtime.max_seq_len, runtime.device)
         layers = head.config.feature_layers(target.model_config.num_layers)
         # As many blocks as the target's (one layer's worth), but no more than a full batch of full sequences

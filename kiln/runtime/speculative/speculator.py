@@ -178,7 +178,8 @@ def make_speculator(config: SpeculativeConfig, target, runtime, *, create_execut
     elif config.method == "eagle3":
         from kiln.runtime.speculative.eagle3 import Eagle3Proposer
 
-        proposer = Eagle3Proposer.load(config.model, target, runtime, target_executor, config)
+        proposer = Eagle3Proposer.load(config.model, target, runtime, target_executor, config,
+                                       verify_checksums=verify_checksums)
         if config.is_tree:  # the accepted path's keys move to consecutive slots after each verify step
             from kiln.plugins.kv_move import move_kv_slots
 

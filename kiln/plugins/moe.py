@@ -142,10 +142,23 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     check_size("w_down", w_down, 2, two_inter // 2, "intermediate size of w_gate_up")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         check_dtype(name, w, (x.dtype,))
+    check_routing_and_epilogue(x, router_logits, top_k, experts, two_inter, b_gate_up, b_down, swiglu_limit,
+                               swiglu_alpha, weights="w_gate_up")
+    check_same_device(x=x, router_logits=router_logits, w_gate_up=w_gate_up, w_down=w_down)
+    return _fused_moe.for_tensor(x)(x, router_logits, w_gate_up, w_down, top_k, bool(renormalize), b_gate_up,
+                                    b_down, float(swiglu_limit), float(swiglu_alpha))
+
+
+def check_routing_and_epilogue(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, experts: int, two_inter: int,
+                               b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, swiglu_limit: float,
+                               swiglu_alpha: float, weights: str) -> None:
+    """The checks every MoE op shares, whatever its experts' format: router_logits [T, E], top_k, the biases
+    ([E, 2I] and [E, H] in x's dtype) and the clamped SwiGLU's parameters. `weights`: the gate_up tensor's name."""
+    hidden = x.shape[1]
     check_dims("router_logits", router_logits, 2)
     check_dtype("router_logits", router_logits, FLOAT_DTYPES)
     check_size("router_logits", router_logits, 0, x.shape[0], "tokens of x")
-    check_size("router_logits", router_logits, 1, experts, "experts of w_gate_up")
+    check_size("router_logits", router_logits, 1, experts, f"experts of {weights}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k!r} must be an integer in [1, {experts}] (the number of experts)")
     for name, b, shape in (("b_gate_up", b_gate_up, (experts, two_inter)), ("b_down", b_down, (experts, hidden))):
@@ -159,6 +172,3 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0 (swiglu_limit 0: plain SwiGLU)")
-    check_same_device(x=x, router_logits=router_logits, w_gate_up=w_gate_up, w_down=w_down)
-    return _fused_moe.for_tensor(x)(x, router_logits, w_gate_up, w_down, top_k, bool(renormalize), b_gate_up,
-                                    b_down, float(swiglu_limit), float(swiglu_alpha))

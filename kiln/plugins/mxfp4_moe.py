@@ -17,8 +17,6 @@ registers (E2M1 code -> value, times 2 ** (scale - 127)), never the whole float 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._checks import (
@@ -27,10 +25,9 @@ from ._checks import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
-    check_size,
 )
 from ._spec import OpSpec, define
-from .moe import expert_activation, fused_moe_reference
+from .moe import check_routing_and_epilogue, expert_activation, fused_moe_reference
 from .moe_route import route
 from .mxfp4 import BLOCK, dequantize_mxfp4
 
@@ -134,23 +131,8 @@ def fused_moe_mxfp4(x: torch.Tensor, router_logits: torch.Tensor, gate_up_blocks
         raise ValueError(f"gate_up_blocks.shape[1] must be even ([gate; up] rows), got {two_inter}")
     _check_mxfp4("gate_up", gate_up_blocks, gate_up_scales, (experts, two_inter, hidden))
     _check_mxfp4("down", down_blocks, down_scales, (experts, hidden, two_inter // 2))
-    check_dims("router_logits", router_logits, 2)
-    check_dtype("router_logits", router_logits, FLOAT_DTYPES)
-    check_size("router_logits", router_logits, 0, x.shape[0], "tokens of x")
-    check_size("router_logits", router_logits, 1, experts, "experts of gate_up_blocks")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
-        raise ValueError(f"top_k={top_k!r} must be an integer in [1, {experts}] (the number of experts)")
-    for name, b, shape in (("b_gate_up", b_gate_up, (experts, two_inter)), ("b_down", b_down, (experts, hidden))):
-        if b is not None:
-            if tuple(b.shape) != shape:
-                raise ValueError(f"{name} must be {list(shape)} (experts, outputs of its weights), got "
-                                 f"{list(b.shape)}")
-            check_dtype(name, b, (x.dtype,))
-            check_last_dim_contiguous(name, b)
-            check_same_device(x=x, **{name: b})
-    for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a finite number >= 0 (swiglu_limit 0: plain SwiGLU)")
+    check_routing_and_epilogue(x, router_logits, top_k, experts, two_inter, b_gate_up, b_down, swiglu_limit,
+                               swiglu_alpha, weights="gate_up_blocks")
     check_same_device(x=x, router_logits=router_logits, gate_up_blocks=gate_up_blocks, gate_up_scales=gate_up_scales,
                       down_blocks=down_blocks, down_scales=down_scales)
     return _fused_moe_mxfp4.for_tensor(x)(x, router_logits, gate_up_blocks, gate_up_scales, down_blocks, down_scales,

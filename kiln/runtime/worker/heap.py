@@ -8,12 +8,16 @@ batch 1024 lost 16% of its throughput to them). What exists when the engine is r
 engine, so it is frozen out of the collector's passes (`gc.freeze`, as vLLM does); objects made while serving
 are collected as before, and frozen ones still go when their last reference does. A frozen cycle waits for
 `gc.unfreeze`: each new engine thaws the heap first, so an earlier engine dropped as cyclic garbage (a notebook's
-`del llm`, a test's) is collected then rather than never.
+`del llm`, a test's) is collected then rather than never; and the heap is thawed at exit, so the interpreter's last
+collections still free it (frozen, native extensions' objects outlive them: nanobind reports Triton's as leaked).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
+
+_thaw_at_exit: list[bool] = []  # registered once a process
 
 
 def freeze_startup_heap() -> int:
@@ -22,4 +26,7 @@ def freeze_startup_heap() -> int:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    if not _thaw_at_exit:
+        atexit.register(gc.unfreeze)
+        _thaw_at_exit.append(True)
     return gc.get_freeze_count()

@@ -20,6 +20,7 @@ On CUDA the op runs the Triton kernels of triton_moe.py (grouped GEMMs over expe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -63,14 +64,24 @@ def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up:
                         w_down: torch.Tensor, top_k: int, renormalize: bool, b_gate_up: torch.Tensor | None = None,
                         b_down: torch.Tensor | None = None, swiglu_limit: float = 0.0,
                         swiglu_alpha: float = 0.0) -> torch.Tensor:
-    num_tokens, hidden = x.shape
-    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
     mlp = (w_gate_up, w_down, b_gate_up, b_down, swiglu_limit, swiglu_alpha)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
         return _fused_moe_every_expert(x, weights, ids, *mlp)
+    return moe_by_expert(x, router_logits, top_k, renormalize, w_gate_up.shape[0],
+                         lambda expert, tokens_x: _expert_mlp(tokens_x, expert, *mlp))
+
+
+def moe_by_expert(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int,
+                  expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The references' dispatch (float and MXFP4 experts alike): routes x [T, H], runs `expert_mlp(expert,
+    x_e)` -> [n, H] on each chosen expert's tokens x_e [n, H], in expert order, and adds each output times its
+    routing weight into [T, H] (x's dtype). One host read: the per-expert token counts."""
+    num_tokens, hidden = x.shape
+    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
     flat = ids.flatten()  # [T*k]: slot s belongs to token s // k
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within each
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()  # [E] (one host read)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E] (one host read)
     out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
@@ -79,7 +90,7 @@ def fused_moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up:
         slots = order[start:start + count]  # [n]
         start += count
         tokens = slots // top_k  # [n]
-        y = _expert_mlp(x[tokens], expert, *mlp) * weights.flatten()[slots, None]  # [n, H]
+        y = expert_mlp(expert, x[tokens]) * weights.flatten()[slots, None]  # [n, H]
         out.index_add_(0, tokens, y)
     return out
 

@@ -27,8 +27,7 @@ from ._checks import (
     check_same_device,
 )
 from ._spec import OpSpec, define
-from .moe import check_routing_and_epilogue, expert_activation, fused_moe_reference
-from .moe_route import route
+from .moe import check_routing_and_epilogue, expert_activation, fused_moe_reference, moe_by_expert
 from .mxfp4 import BLOCK, dequantize_mxfp4
 
 
@@ -50,29 +49,17 @@ def fused_moe_mxfp4_reference(x: torch.Tensor, router_logits: torch.Tensor, gate
         w_down = dequantize_mxfp4(down_blocks, down_scales).to(x.dtype)  # [E, H, I]
         return fused_moe_reference(x, router_logits, w_gate_up, w_down, top_k, renormalize, b_gate_up, b_down,
                                    swiglu_limit, swiglu_alpha)
-    num_tokens, hidden = x.shape
-    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
-    flat = ids.flatten()  # [T*k]: slot s belongs to token s // k
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order within each
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E] (one host read)
-    out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        slots = order[start:start + count]  # [n]
-        start += count
-        tokens = slots // top_k  # [n]
-        # moe.py's _expert_mlp on this expert's dequantized weights, op for op
-        gate_up = x[tokens] @ _expert_weights(gate_up_blocks, gate_up_scales, expert, x.dtype).t()  # [n, 2I]
+
+    def expert_mlp(expert: int, tokens_x: torch.Tensor) -> torch.Tensor:
+        # moe.py's _expert_mlp on this expert's dequantized weights, op for op: [n, H] -> [n, H]
+        gate_up = tokens_x @ _expert_weights(gate_up_blocks, gate_up_scales, expert, x.dtype).t()  # [n, 2I]
         if b_gate_up is not None:
             gate_up = gate_up + b_gate_up[expert]
         w_down = _expert_weights(down_blocks, down_scales, expert, x.dtype)  # [H, I]
         y = expert_activation(gate_up, swiglu_limit, swiglu_alpha) @ w_down.t()  # [n, H]
-        if b_down is not None:
-            y = y + b_down[expert]
-        out.index_add_(0, tokens, y * weights.flatten()[slots, None])
-    return out
+        return y if b_down is None else y + b_down[expert]
+
+    return moe_by_expert(x, router_logits, top_k, renormalize, num_experts, expert_mlp)
 
 
 def _fused_moe_mxfp4_fake(x, router_logits, gate_up_blocks, gate_up_scales, down_blocks, down_scales, top_k,

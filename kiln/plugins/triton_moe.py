@@ -25,6 +25,8 @@ read, so an MoE step is captured in a CUDA graph like any other.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -112,6 +114,40 @@ def _silu(g):
     return tl.math.div_rn(g, 1.0 + _exp(-g))
 
 
+@triton.jit
+def _gate_up_epilogue(acc_gate, acc_up, b_expert, cols, col_ok, inter, limit, alpha, dtype: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+    """[BM, BN] float32 gate and up sums -> h [BM, BN] in `dtype`: rounded where the reference rounds, the
+    biases added (b_expert: the expert's [2I] row, gate then up), then SwiGLU or GPT-OSS's clamped SwiGLU.
+    Shared by the float and the MXFP4 experts' gate/up kernels."""
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        gate = (gate + tl.load(b_expert + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        b_up = tl.load(b_expert + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = (up + b_up).to(dtype).to(tl.float32)
+    if CLAMPED:  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = ((up + 1.0) * tl.math.div_rn(gate, 1.0 + _exp(-alpha * gate))).to(dtype)
+    else:
+        h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
+    return h
+
+
+@triton.jit
+def _down_epilogue(acc, routing_ptr, slots, valid, b_expert, cols, col_ok, dtype: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+    """[BM, BN] float32 down sums -> y [BM, BN] in `dtype`: rounded, the bias added (b_expert: the expert's [H]
+    row), times each slot's routing weight. Shared by the float and the MXFP4 experts' down kernels."""
+    weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    out = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_expert + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out = (out + bias[None, :]).to(dtype).to(tl.float32)
+    return (out * weight[:, None]).to(dtype)
+
+
 # Token counts change every step: specializing on them would only add recompiles.
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
@@ -147,19 +183,8 @@ def _gate_up_kernel(
         w_up = tl.load(up_ptrs + ks[:, None], mask=w_mask, other=0.0)  # [BK, BN]
         acc_gate = tl.dot(a, w_gate, acc_gate)
         acc_up = tl.dot(a, w_up, acc_up)
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    if HAS_BIAS:  # b: [E, 2I], gate then up columns
-        b_expert = b_ptr + expert.to(tl.int64) * stride_be
-        gate = (gate + tl.load(b_expert + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        b_up = tl.load(b_expert + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
-        up = (up + b_up).to(dtype).to(tl.float32)
-    if CLAMPED:  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = ((up + 1.0) * tl.math.div_rn(gate, 1.0 + _exp(-alpha * gate))).to(dtype)
-    else:
-        h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
+    h = _gate_up_epilogue(acc_gate, acc_up, b_ptr + expert.to(tl.int64) * stride_be, cols, col_ok, inter, limit,
+                          alpha, dtype, HAS_BIAS, CLAMPED)  # b: [E, 2I]
     tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_h + cols[None, :], h,
              mask=valid[:, None] & col_ok[None, :])
 
@@ -191,12 +216,8 @@ def _down_kernel(
                     other=0.0)  # [BM, BK]
         w = tl.load(w_ptrs + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
         acc = tl.dot(a, w, acc)
-    weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
-    out = acc.to(dtype).to(tl.float32)
-    if HAS_BIAS:  # b: [E, H]
-        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        out = (out + bias[None, :]).to(dtype).to(tl.float32)
-    y = (out * weight[:, None]).to(dtype)
+    y = _down_epilogue(acc, routing_ptr, slots, valid, b_ptr + expert.to(tl.int64) * stride_be, cols, col_ok, dtype,
+                       HAS_BIAS)  # b: [E, H]
     tl.store(y_ptr + slots64[:, None] * stride_y + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
@@ -207,6 +228,31 @@ def _launch_config(num_slots: int, num_experts: int) -> dict[str, int]:
     if num_slots <= 16 * num_experts:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How a step's token slots go through the grouped kernels: routing weights [T, k] (x's dtype), the slots
+    sorted by expert in blocks of BLOCK_M ([num_blocks * BLOCK_M], num_slots marking padding) with each block's
+    expert ([num_blocks], -1: unused), the block sizes and launch settings."""
+
+    weights: torch.Tensor
+    sorted_slots: torch.Tensor
+    block_experts: torch.Tensor
+    block_m: int
+    block_n: int
+    block_k: int
+    launch: dict
+
+
+def plan_experts(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 num_experts: int) -> ExpertPlan:
+    """Routes x's [T, H] tokens and sorts their T * k slots by expert (float and MXFP4 experts alike)."""
+    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
+    cfg = _launch_config(x.shape[0] * top_k, num_experts)
+    sorted_slots, block_experts = align_by_expert(ids, num_experts, cfg["BLOCK_M"])
+    return ExpertPlan(weights, sorted_slots, block_experts, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
+                      dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
@@ -222,11 +268,9 @@ def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
-    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
-    cfg = _launch_config(num_slots, num_experts)
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sorted_slots, block_experts = align_by_expert(ids, num_experts, block_m)
+    plan = plan_experts(x, router_logits, top_k, renormalize, num_experts)
+    weights, sorted_slots, block_experts, launch = plan.weights, plan.sorted_slots, plan.block_experts, plan.launch
+    block_m, block_n, block_k = plan.block_m, plan.block_n, plan.block_k
     num_blocks = block_experts.numel()
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()

@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_route import route
-from .triton_activation import _exp
-from .triton_moe import _launch_config, _silu, align_by_expert
+from .triton_moe import _down_epilogue, _gate_up_epilogue, plan_experts
 
 
 @triton.jit
@@ -78,19 +76,8 @@ def _gate_up_kernel(
         w_up = _mxfp4_tile(w_blocks, w_scales, cols + inter, ks, col_ok, k_ok, stride_bn, stride_sn, dtype)
         acc_gate = tl.dot(a, w_gate, acc_gate)
         acc_up = tl.dot(a, w_up, acc_up)
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    if HAS_BIAS:  # b: [E, 2I], gate then up columns
-        b_expert = b_ptr + e64 * stride_be
-        gate = (gate + tl.load(b_expert + cols, mask=col_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        b_up = tl.load(b_expert + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
-        up = (up + b_up).to(dtype).to(tl.float32)
-    if CLAMPED:  # GPT-OSS: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = ((up + 1.0) * tl.math.div_rn(gate, 1.0 + _exp(-alpha * gate))).to(dtype)
-    else:
-        h = (_silu(gate).to(dtype).to(tl.float32) * up).to(dtype)
+    h = _gate_up_epilogue(acc_gate, acc_up, b_ptr + e64 * stride_be, cols, col_ok, inter, limit, alpha, dtype,
+                          HAS_BIAS, CLAMPED)  # b: [E, 2I]
     tl.store(h_ptr + slots[:, None].to(tl.int64) * stride_h + cols[None, :], h,
              mask=valid[:, None] & col_ok[None, :])
 
@@ -123,12 +110,8 @@ def _down_kernel(
                     other=0.0)  # [BM, BK]
         w = _mxfp4_tile(w_blocks, w_scales, cols, ks, col_ok, k_ok, stride_bn, stride_sn, dtype)  # [BK, BN]
         acc = tl.dot(a, w, acc)
-    weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)  # [BM]
-    out = acc.to(dtype).to(tl.float32)
-    if HAS_BIAS:  # b: [E, H]
-        bias = tl.load(b_ptr + e64 * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        out = (out + bias[None, :]).to(dtype).to(tl.float32)
-    y = (out * weight[:, None]).to(dtype)
+    y = _down_epilogue(acc, routing_ptr, slots, valid, b_ptr + e64 * stride_be, cols, col_ok, dtype,
+                       HAS_BIAS)  # b: [E, H]
     tl.store(y_ptr + slots64[:, None] * stride_y + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
@@ -145,11 +128,9 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
-    weights, ids = route(router_logits, top_k, renormalize, x.dtype)  # [T, k], [T, k]
-    cfg = _launch_config(num_slots, num_experts)
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sorted_slots, block_experts = align_by_expert(ids, num_experts, block_m)
+    plan = plan_experts(x, router_logits, top_k, renormalize, num_experts)
+    weights, sorted_slots, block_experts, launch = plan.weights, plan.sorted_slots, plan.block_experts, plan.launch
+    block_m, block_n, block_k = plan.block_m, plan.block_n, plan.block_k
     num_blocks = block_experts.numel()
     gu_blocks = gate_up_blocks.view(num_experts, two_inter, hidden // 2)  # [E, 2I, H / 2] bytes
     d_blocks = down_blocks.view(num_experts, hidden, inter // 2)  # [E, H, I / 2] bytes

@@ -37,6 +37,21 @@ class _Block:
     persistent: bool = True  # its KV may outlive the process (disk tier): False for a LoRA adapter's blocks
 
 
+class _Blocks(dict[int, _Block]):
+    """Block id -> its `_Block`, made on first use: a list of every block took seconds to build for the
+    millions of blocks a small model has on a big GPU. Reading an id never used gives a fresh block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__()
+        self.num_blocks = num_blocks
+
+    def __missing__(self, block_id: int) -> _Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} is outside the pool's {self.num_blocks} blocks")
+        block = self[block_id] = _Block(block_id)
+        return block
+
+
 @dataclass(frozen=True)
 class CachedPrefix:
     """Blocks of the prefix cache that a prompt can start from (empty when nothing matched): `block_ids` in the
@@ -75,9 +90,13 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        # Blocks nobody uses, oldest-freed first; the dict keeps insertion order and O(1) removal.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._blocks = _Blocks(num_blocks)
+        # The free queue, handed out from its front, is three parts so that it starts in O(1): `_trimmed` (blocks
+        # given back by trim, newest first), then the ids never used yet (`_next_unused` on, in id order), then
+        # `_free` (the other blocks nobody uses, oldest-freed first). The dicts keep order and remove in O(1).
+        self._trimmed: OrderedDict[int, None] = OrderedDict()
+        self._next_unused = 0
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         # request id -> its blocks. Append-only: a table that loses blocks gets a new list (and stamp), so the
         # BlockTables handed out stay valid snapshots.
@@ -104,7 +123,7 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks that could be allocated now, cached-but-unused ones and those being copied to the host tier
         included."""
-        return len(self._free) + len(self._offloading)
+        return len(self._trimmed) + self.num_blocks - self._next_unused + len(self._free) + len(self._offloading)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -250,8 +269,8 @@ class BlockManager:
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = None
-                self._free.move_to_end(block.block_id, last=False)
+                self._trimmed[block.block_id] = None
+                self._trimmed.move_to_end(block.block_id, last=False)
 
     # ---- beams: shared tables, copy-on-write (beam_search.py) -------------------------------------
     def fork(self, src_id: str, dst_id: str) -> None:
@@ -293,7 +312,7 @@ class BlockManager:
     def reset_prefix_cache(self, device_only: bool = False) -> None:
         """Forgets every cached block that no request uses, the host tier's too unless `device_only` (a prefix
         the host tier holds is then loaded from there)."""
-        for block_id in [*self._free, *self._offloading]:
+        for block_id in [*self._trimmed, *self._free, *self._offloading]:
             self._evict(block_id)
         if self.host is not None and not device_only:
             self.host.clear()
@@ -316,15 +335,23 @@ class BlockManager:
     # ---- internals -----------------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]
-        if block.ref_count == 0:
-            if self._free.pop(block_id, False) is False:
+        if block.ref_count == 0:  # a block once used (never-used ones are taken by _fresh_block alone)
+            if self._free.pop(block_id, False) is False and self._trimmed.pop(block_id, False) is False:
                 del self._offloading[block_id]  # read while its copy is in flight: both only read it
         block.ref_count += 1
 
     def _fresh_block(self) -> int:
-        """Takes the least recently freed block (its cached hash forgotten). One whose copy to the host tier
-        is in flight only when nothing else is free: the step then waits for that copy before it writes."""
-        if self._free:
+        """Takes the free queue's first block (its cached hash forgotten): a trimmed one, a never-used one, the
+        least recently freed one. One whose copy to the host tier is in flight only when nothing else is free:
+        the step then waits for that copy before it writes."""
+        if self._trimmed:
+            block_id = next(iter(self._trimmed))
+        elif self._next_unused < self.num_blocks:  # no hash to forget, in no queue
+            block_id = self._next_unused
+            self._next_unused += 1
+            self._blocks[block_id].ref_count += 1
+            return block_id
+        elif self._free:
             block_id = next(iter(self._free))
         else:
             block_id = next(iter(self._offloading))

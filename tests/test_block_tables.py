@@ -243,7 +243,7 @@ def test_decode_graph_staging_holds_each_rows_table_as_batches_change(monkeypatc
                                       device=torch.device("cpu"))
     monkeypatch.undo()
     graphs._graphs = {s: _NoGraph() for s in graphs.sizes}
-    graphs._logits = {s: torch.zeros(s, 3) for s in graphs.sizes}
+    graphs._views = {s: torch.zeros(s, 3) for s in graphs.sizes}
     driver = Driver(3, num_blocks=60, max_batch_size=8, max_num_tokens=16, arrivals=0.08, drafts=0.0)
     replays = 0
     for out in driver.steps(300):
@@ -274,7 +274,7 @@ def test_prefill_graph_staging_equals_the_packed_step_of_one_sequence():
                                           device=torch.device("cpu"))
     assert graphs.sizes == [16]
     graphs._graphs = {s: _NoGraph() for s in graphs.sizes}
-    graphs._logits = {s: torch.zeros(1, 3) for s in graphs.sizes}
+    graphs._views = {s: torch.zeros(1, 3) for s in graphs.sizes}
     driver = Driver(5, num_blocks=60, max_batch_size=1, max_num_tokens=16, arrivals=0.3, drafts=0.0)
     runs = 0
     for out in driver.steps(300):

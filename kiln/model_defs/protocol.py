@@ -40,6 +40,7 @@ class CausalLM(Protocol):
         """Same as forward (nn.Module's call)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] (the rows to sample from) -> logits: [N, V] float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, H] (the rows to sample from) -> logits: [N, V] float32, written into `out` ([N, V]
+        float32: a CUDA graph's output buffer) when given."""
         ...

@@ -123,12 +123,14 @@ class DecoderForCausalLM(nn.Module):
         x, _ = self.model.norm.add_and_norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits: [N, V] float32."""
-        logits = self.lm_head(hidden).float()
-        # Granite divides its logits by logits_scaling; Gemma 2 caps them.
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, H] -> logits: [N, V] float32, written into `out` ([N, V] float32) when given."""
+        logits = self.lm_head(hidden)
+        logits = logits.float() if out is None else out.copy_(logits)
+        # Granite divides its logits by logits_scaling; Gemma 2 caps them. In place: `logits` is ours (a new
+        # float32 tensor or `out`), and a CUDA graph's output must stay in `out`.
         if self.config.logits_scaling != 1.0:
-            logits = logits / self.config.logits_scaling
+            logits.div_(self.config.logits_scaling)
         if cap := self.config.final_logit_softcapping:
-            logits = torch.tanh(logits / cap) * cap
+            logits.div_(cap).tanh_().mul_(cap)
         return logits

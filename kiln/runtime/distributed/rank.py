@@ -14,7 +14,8 @@ from kiln.runtime.distributed.comm import TorchTPComm
 from kiln.runtime.distributed.group import RankGroups
 from kiln.runtime.distributed.launch import RankLaunch, rank_device
 from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig, load_network
-from kiln.runtime.worker.model_runner import LoRALimits, ModelRunner, RunnerLimits
+from kiln.runtime.worker.executor import runner_limits
+from kiln.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -41,11 +42,6 @@ def start_runner(info: EngineInfo, runtime: RuntimeConfig, groups: RankGroups,
     mapping: Mapping = info.config.mapping.for_rank(groups.rank)
     comm = TorchTPComm(groups.device_group, mapping.tp_size, mapping.tp_rank)
     model = load_network(info, runtime.device, groups.rank, comm=comm)
-    limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
-                          max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
-                          num_kv_blocks=runtime.num_kv_blocks,
-                          kv_cache_memory_fraction=runtime.kv_cache_memory_fraction, cuda_graphs=runtime.cuda_graphs,
-                          lora=LoRALimits(runtime.max_loras, runtime.max_lora_rank, runtime.max_cpu_loras)
-                          if runtime.enable_lora else None, host_kv_bytes=runtime.host_kv_bytes(mapping.tp_size))
-    return ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype, limits=limits,
+    return ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype,
+                       limits=runner_limits(runtime, mapping.tp_size),
                        kv_cache_scales=kv_cache_scales, mapping=mapping, agree_num_blocks=groups.min_over_ranks)

@@ -48,6 +48,7 @@ from kiln.runtime.distributed.wire_checks import (
     check_keys,
     float_value,
     int_list,
+    int_tuple,
     int_value,
     load_message,
     str_list,
@@ -72,9 +73,9 @@ _RUNTIME_FIELDS = {"device": "device", "dtype": "dtype", "max_batch_size": "int"
                    "max_seq_len": "int", "block_size": "int", "num_kv_blocks": "int?",
                    "enable_prefix_caching": "bool", "kv_cache_memory_fraction": "float", "cuda_graphs": "bool",
                    "kv_cache_dtype": "dtype?", "async_scheduling": "bool?",
-                   "capacity_scheduler_policy": "str", "enable_lora": "bool", "max_loras": "int",
-                   "max_lora_rank": "int", "max_cpu_loras": "int", "kv_offloading_size": "float",
-                   "kv_offloading_dir": "str?", "kv_offloading_disk_size": "float"}
+                   "capacity_scheduler_policy": "str", "enable_lora": "bool", "max_loras": "int", "max_lora_rank": "int",
+                   "max_cpu_loras": "int", "kv_offloading_size": "float", "kv_offloading_dir": "str?",
+                   "kv_offloading_disk_size": "float", "verify_tokens": "int", "verify_tree": "bool", "feature_layers": "ints"}
 _LAUNCH_FIELDS = {"rank": "int", "world_size": "int", "master_addr": "str", "master_port": "int",
                   "local_rank": "int", "local_world_size": "int", "external": "bool"}
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
@@ -373,6 +374,8 @@ def _decode_fields(value: Any, schema: dict[str, str], what: str) -> dict[str, o
             out[name] = int_value(item, 0, INT32_END, field)
         elif kind == "float":
             out[name] = float_value(item, field)
+        elif kind == "ints":
+            out[name] = int_tuple(item, field)
         elif kind == "bool":
             if type(item) is not bool:
                 raise StepCodecError(f"{field} must be true or false, got {item!r}")

@@ -67,6 +67,13 @@ def int_value(value: Any, low: int, high: int, field: str) -> int:
     return value
 
 
+def int_tuple(value: Any, field: str) -> tuple[int, ...]:
+    """A JSON list of non-negative int32s as a tuple."""
+    if type(value) is not list:
+        raise StepCodecError(f"{field} must be a list of integers, got {type(value).__name__}")
+    return tuple(int_value(v, 0, 2**31, field) for v in value)
+
+
 def float_value(value: Any, field: str) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):
         raise StepCodecError(f"{field} must be a finite number, got {type(value).__name__} {value!r}"[:200])

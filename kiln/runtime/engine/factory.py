@@ -16,7 +16,7 @@ from kiln.runtime.distributed.worker import run_worker
 from kiln.runtime.engine.engine import LLMEngine
 from kiln.runtime.engine.startup_log import StartupLog
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.speculative.speculator import Speculator, make_speculator
+from kiln.runtime.speculative.speculator import Speculator, make_speculator, speculation_runtime
 from kiln.runtime.worker.device_support import check_device_supports
 from kiln.runtime.worker.engine_loader import (
     EngineInfo,
@@ -108,6 +108,8 @@ def create_engine(engine_dir: str | Path, options: RuntimeOptions | None = None)
                 verification = start_verification(spec.engine_dir, spec.files)
             info = engine_info(spec)
             runtime = resolve_runtime(info, options)
+            if speculative is not None:  # before the runner captures its graphs: verify steps' shapes
+                runtime = speculation_runtime(speculative, info, runtime)
         executor = create_executor(info, runtime, startup)
         if speculative is not None:
             speculator = make_speculator(speculative, info, runtime, create_executor=create_executor,

@@ -29,7 +29,7 @@ from kiln.model_defs.eagle3_head import (
     parse_head_config,
 )
 
-__all__ = ["ARCHITECTURES", "Eagle3Head", "Eagle3HeadConfig", "load_head", "read_head_config"]
+__all__ = ["ARCHITECTURES", "Eagle3Head", "Eagle3HeadConfig", "head_feature_layers", "load_head", "read_head_config"]
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -41,6 +41,18 @@ def read_head_config(head_dir: Path) -> Eagle3HeadConfig:
     except (OSError, ValueError) as e:
         raise EngineError(f"--speculative-model {head_dir}: no readable EAGLE-3 config.json ({e})") from None
     return parse_head_config(raw, f"--speculative-model {head_dir}")
+
+
+def head_feature_layers(head_dir: str | Path, target_layers: int) -> tuple[int, ...]:
+    """The target layers a head reads, from its config alone (a checkpoint's config.json or a head engine's
+    engine.json), before anything loads: the target's runner captures its graphs keeping them."""
+    head_dir = Path(head_dir)
+    if (head_dir / ENGINE_JSON).is_file():
+        spec = load_engine_spec(head_dir, verify_checksums=False)
+        config = parse_head_config(spec.model_config, f"--speculative-model {head_dir}")
+    else:
+        config = read_head_config(head_dir)
+    return config.feature_layers(target_layers)
 
 
 def _checkpoint_tensors(head_dir: Path) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ whose token differs from its draft; that token, the target's own, ends the step'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -162,6 +163,19 @@ class Speculator:
 
     def shutdown(self) -> None:
         self.proposer.shutdown()
+
+
+def speculation_runtime(config: SpeculativeConfig, target, runtime):
+    """The target's RuntimeConfig (`runtime`, of the `EngineInfo` `target`) with what its runner needs to know
+    before it captures graphs: verify steps of 1 + max_draft_nodes tokens a request, chains or trees, and the
+    layers an EAGLE-3 head reads (from the head's config)."""
+    layers = ()
+    if config.method == "eagle3":
+        from kiln.runtime.speculative.eagle3_head import head_feature_layers
+
+        layers = head_feature_layers(config.model, target.model_config.num_layers)
+    return dataclasses.replace(runtime, verify_tokens=1 + config.max_draft_nodes, verify_tree=config.is_tree,
+                               feature_layers=tuple(layers))
 
 
 def make_speculator(config: SpeculativeConfig, target, runtime, *, create_executor,

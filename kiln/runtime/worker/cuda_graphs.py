@@ -30,7 +30,7 @@ from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
-from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
 from kiln.runtime.worker.step_inputs import rope_length, slot_of
@@ -47,7 +47,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to 256 and every 64 past it, up to max_batch_size (and max_batch_size
     itself): padding wastes at most 15 rows where a decode step's cost hardly grows with its rows, and at most
     a few percent where it does, while an engine for large batches captures a few dozen graphs, not a hundred
-    (each costs startup time and a [size, V] logits buffer)."""
+    (each costs startup time; their logits share one [max_batch_size, V] buffer)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, min(max_batch_size, 257), 16))
     sizes += list(range(320, max_batch_size, 64))
     return sorted(set(s for s in sizes if s <= max_batch_size) | {max_batch_size})
@@ -116,7 +116,8 @@ class DecodeGraphs:
         self._kv_caches = kv_caches
         self._kv_scales = kv_scales  # fixed device tensors, like the caches: safe to capture
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # size -> [size, V] float32, written by that graph
+        self._logits = OutputBuffer(g)  # [G, V] float32: each graph writes its first rows
+        self._views: dict[int, torch.Tensor] = {}  # size -> the [size, V] rows that graph writes
 
     def _context(self, size: int) -> ForwardContext:
         return ForwardContext(
@@ -131,7 +132,7 @@ class DecodeGraphs:
         input_ids = torch.where(rows >= 0, self._fed.gather(0, rows.clamp(min=0)), self._ints[0, :size])
         with self._lora.reading(self._inputs.buffers["lora"][:size]) if self._lora is not None else nullcontext():
             hidden = self.model(input_ids, self._context(size))  # [size, H]
-        return self.model.compute_logits(hidden)  # [size, V] float32
+        return self._logits.write(size, lambda out: self.model.compute_logits(hidden, out=out))  # [size, V]
 
     @torch.inference_mode()
     def capture(self, pool=None) -> float:
@@ -147,7 +148,7 @@ class DecodeGraphs:
         self._seq_lens.zero_()
         if self._lora is not None:
             self._inputs.buffers["lora"].fill_(-1)
-        capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._logits)
+        capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._views)
         return time.perf_counter() - start
 
     def release(self) -> None:
@@ -191,4 +192,4 @@ class DecodeGraphs:
             self._fed[:len(fed_tokens)].copy_(fed_tokens)  # device to device, queued behind the previous step
         self._inputs.upload({"tables": size})
         self._graphs[size].replay()
-        return self._logits[size][:n]
+        return self._views[size][:n]

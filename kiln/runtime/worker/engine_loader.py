@@ -65,6 +65,12 @@ class RuntimeConfig:
     kv_offloading_size: float = 0.0  # GiB of host KV tier over all tensor-parallel ranks (worker/kv_host_tier.py)
     kv_offloading_dir: str | None = None  # the disk tier's directory (the engine's side)
     kv_offloading_disk_size: float = 10.0  # GiB the disk tier may hold
+    # Speculative decoding (set from the speculative config, not by users): the most tokens one request's verify
+    # step computes (1 + drafts, or 1 + a tree's nodes), whose steps run in CUDA graphs (worker/verify_graphs.py;
+    # 0: none), whether they are trees, and the layers whose input residual streams an EAGLE-3 head reads.
+    verify_tokens: int = 0
+    verify_tree: bool = False
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -45,22 +45,27 @@ class Executor(Protocol):
         ...
 
 
+def runner_limits(runtime: RuntimeConfig, tp_size: int = 1) -> RunnerLimits:
+    """What a rank's ModelRunner sizes its memory and graphs for, from the runtime config (one of `tp_size`
+    ranks: its share of the host KV tier)."""
+    return RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
+                        max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
+                        num_kv_blocks=runtime.num_kv_blocks, kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
+                        cuda_graphs=runtime.cuda_graphs,
+                        lora=LoRALimits(runtime.max_loras, runtime.max_lora_rank, runtime.max_cpu_loras)
+                        if runtime.enable_lora else None, host_kv_bytes=runtime.host_kv_bytes(tp_size),
+                        verify_tokens=runtime.verify_tokens, verify_tree=runtime.verify_tree,
+                        feature_layers=runtime.feature_layers)
+
+
 class LocalExecutor:
     """One rank in this process: a ModelRunner over an already loaded network. `kv_cache_scales`: the
     engine's per-layer (k_scale, v_scale) for a quantized (FP8, INT8) KV cache, None for a float cache."""
 
     def __init__(self, model: CausalLM, runtime: RuntimeConfig,
                  kv_cache_scales: Sequence[tuple[float, float]] | None = None) -> None:
-        limits = RunnerLimits(max_batch_size=runtime.max_batch_size, max_num_tokens=runtime.max_num_tokens,
-                              max_seq_len=runtime.max_seq_len, block_size=runtime.block_size,
-                              num_kv_blocks=runtime.num_kv_blocks,
-                              kv_cache_memory_fraction=runtime.kv_cache_memory_fraction,
-                              cuda_graphs=runtime.cuda_graphs,
-                              lora=LoRALimits(runtime.max_loras, runtime.max_lora_rank, runtime.max_cpu_loras)
-                              if runtime.enable_lora else None,
-                              host_kv_bytes=runtime.host_kv_bytes())
         self.runner = ModelRunner(model, device=runtime.device, kv_cache_dtype=runtime.cache_dtype,
-                                  limits=limits, kv_cache_scales=kv_cache_scales)
+                                  limits=runner_limits(runtime), kv_cache_scales=kv_cache_scales)
         # Fixed once the runner has started.
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.num_host_kv_blocks = self.runner.num_host_kv_blocks

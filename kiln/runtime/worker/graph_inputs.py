@@ -34,6 +34,26 @@ def capture_sizes_into(sizes: Sequence[int], forward: Callable[[int], torch.Tens
     torch.cuda.synchronize()
 
 
+class OutputBuffer:
+    """One output tensor for every captured size of a family of graphs, [max_rows, ...]: each graph writes its
+    prefix (a graph holds raw addresses, so the buffer is never reallocated). Allocated at the first write, the
+    eager run of the largest size that precedes the captures, from the shape that run computes: a graph per
+    size with an output of its own would hold a [size, V] float32 logits tensor each (GBs at batch 1024)."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.buffer: torch.Tensor | None = None
+
+    def write(self, rows: int, compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """buffer[:rows], written by `compute(out)`: it writes its [rows, ...] result into `out` when given, else
+        returns it as a new tensor."""
+        if self.buffer is None:
+            value = compute(None)
+            self.buffer = torch.empty((self.max_rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
+            return self.buffer[:rows].copy_(value)
+        return compute(self.buffer[:rows])
+
+
 class GraphInputs:
     """`specs`: name -> (shape, dtype) of each buffer. `buffers[name]` is the device tensor graphs read;
     `stage()` hands out the next staging set (host tensors of the same shapes) and `upload()` copies it over."""

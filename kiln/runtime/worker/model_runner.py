@@ -30,6 +30,7 @@ from kiln.runtime.worker.memory_profile import profile_activation_bytes
 from kiln.runtime.worker.model_step import StepInput, StepResult
 from kiln.runtime.worker.prefill_graphs import PrefillGraphs, prefill_batch
 from kiln.runtime.worker.step_inputs import feed_tokens, pack_step
+from kiln.runtime.worker.verify_graphs import VerifyGraphs, verify_batch
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -47,6 +48,11 @@ class RunnerLimits:
     cuda_graphs: bool = True
     lora: LoRALimits | None = None  # None: no LoRA adapters
     host_kv_bytes: int = 0  # this rank's host KV tier (kv_offloading_size's share); 0: none
+    # Speculative decoding: verify steps of up to this many tokens a request run in CUDA graphs
+    # (verify_graphs.py; 0: none), as trees, keeping these layers' features (EAGLE-3).
+    verify_tokens: int = 0
+    verify_tree: bool = False
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,11 @@ class ModelRunner:
         self.host_tier: HostKVTier | None = host_tier_for(self.kv_cache, limits.host_kv_bytes)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self.graph_capture_seconds = 0.0
-        self.capture_layers: tuple[int, ...] = ()  # EAGLE-3's feature layers (capture_hidden); (): none
+        # EAGLE-3's feature layers (capture_hidden); (): none. Every rank of a tensor-parallel engine starts with
+        # the same ones, so that all take the same path through a step (graph or eager) and their collectives meet.
+        self.capture_layers: tuple[int, ...] = limits.feature_layers
         graph_bytes = 0
         if device.type == "cuda" and limits.cuda_graphs and self.lora is not None and not USE_TRITON:
             # lora_add's reference reads the slots on the host: it cannot be captured.
@@ -148,18 +157,39 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()
             prefill_seconds = self.prefill_graphs.capture(pool)
             decode_seconds = self.graphs.capture(pool)
-            self.graph_capture_seconds = prefill_seconds + decode_seconds
+            verify_seconds = self._capture_verify_graphs(pool, max_blocks)
+            self.graph_capture_seconds = prefill_seconds + decode_seconds + verify_seconds
         except torch.OutOfMemoryError:
             raise memory.out_of_memory("capturing CUDA graphs", fraction) from None
         free_after, _ = torch.cuda.mem_get_info(self.device)
         logger.info("captured CUDA graphs for decode batch sizes %s in %.2fs and single-sequence prefill token "
                     "counts %s in %.2fs", self.graphs.sizes, decode_seconds, self.prefill_graphs.sizes,
                     prefill_seconds)
+        if self.verify_graphs is not None:
+            logger.info("captured CUDA graphs for speculative verify steps of %d tokens a request (%s), batch "
+                        "sizes %s, in %.2fs", self.limits.verify_tokens, "trees" if self.limits.verify_tree
+                        else "chains", self.verify_graphs.sizes, verify_seconds)
         return max(0, free_before - free_after)
+
+    def _capture_verify_graphs(self, pool, max_blocks: int) -> float:
+        """Speculative decoding's verify graphs (limits.verify_tokens > 0), into `pool`; returns seconds."""
+        limits = self.limits
+        if limits.verify_tokens < 2:
+            return 0.0
+        graphs = VerifyGraphs(self.model, self.kv_cache.layers, tokens_per_seq=limits.verify_tokens,
+                              max_batch_size=limits.max_batch_size, max_num_tokens=limits.max_num_tokens,
+                              max_blocks_per_seq=max_blocks, block_size=self.block_size, device=self.device,
+                              tree=limits.verify_tree, capture_layers=limits.feature_layers,
+                              kv_scales=self.kv_cache.scales, lora=self.lora)
+        if not graphs.sizes:
+            return 0.0
+        self.verify_graphs = graphs
+        return graphs.capture(pool)
 
     def capture_hidden(self, layers: tuple[int, ...]) -> None:
         """Has every later step return the residual streams entering these decoder layers (StepResult.aux_hidden;
-        an EAGLE-3 head's features). Such steps run eagerly: the captured graphs keep no features."""
+        an EAGLE-3 head's features). Verify graphs captured with these layers (limits.feature_layers) keep
+        them; other steps that keep them run eagerly."""
         bad = [i for i in layers if not 0 <= i <= self.model.config.num_layers]
         if bad:
             raise ValueError(f"feature layers {list(layers)}: {bad} outside [0, {self.model.config.num_layers}] "
@@ -175,6 +205,9 @@ class ModelRunner:
         if self.prefill_graphs is not None:
             self.prefill_graphs.release()
             self.prefill_graphs = None
+        if self.verify_graphs is not None:
+            self.verify_graphs.release()
+            self.verify_graphs = None
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
@@ -192,6 +225,14 @@ class ModelRunner:
         if schedule.block_copies:  # beams' copy-on-write: before anything reads or writes those blocks
             self.kv_cache.copy_blocks(schedule.block_copies)
         capture = self.capture_layers
+        verify = self.verify_graphs
+        if verify is not None and feed is None and capture in ((), verify.capture_layers):
+            batch = verify_batch(schedule, self.block_size, self.model, targets, verify.tokens_per_seq, verify.tree,
+                                 require_drafts=not capture)
+            if batch is not None and verify.fits(batch.num_seqs):
+                rows = self.lora.place(schedule) if self.lora is not None else None
+                logits, aux = verify.run(batch, rows)  # [R, V], [R, F] or None
+                return StepResult(logits, request_ids, batch.logits_offsets, {}, aux if capture else None)
         if not capture and self.graphs is not None and self.graphs.fits(len(schedule.requests)):
             batch = decode_batch(schedule, self.block_size, self.model, targets, feed)
             if batch is not None:

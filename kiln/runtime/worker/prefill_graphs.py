@@ -26,7 +26,7 @@ from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
-from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
 from kiln.runtime.worker.step_inputs import rope_lengths_of, slots_of
@@ -101,7 +101,8 @@ class PrefillGraphs:
         self._kv_caches = kv_caches
         self._kv_scales = kv_scales
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # size -> [1, V] float32, written by that graph
+        self._logits = OutputBuffer(1)  # [1, V] float32, written by every graph
+        self._views: dict[int, torch.Tensor] = {}
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.sizes[-1]
@@ -115,7 +116,8 @@ class PrefillGraphs:
             max_rope_length=0, kv_scales=self._kv_scales)
         with self._lora.reading(b["lora"][:size]) if self._lora is not None else nullcontext():
             hidden = self.model(ints[0, :size], context)  # [size, H]
-        return self.model.compute_logits(hidden.index_select(0, b["sample"]))  # [1, V] float32
+        sampled = hidden.index_select(0, b["sample"])  # [1, H]
+        return self._logits.write(1, lambda out: self.model.compute_logits(sampled, out=out))  # [1, V] float32
 
     @torch.inference_mode()
     def capture(self, pool=None) -> float:
@@ -127,7 +129,7 @@ class PrefillGraphs:
         self._inputs.buffers["ints"][3].fill_(-1)
         if self._lora is not None:
             self._inputs.buffers["lora"].fill_(-1)
-        capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._logits)
+        capture_sizes_into(self.sizes, self._forward, pool, self._graphs, self._views)
         return time.perf_counter() - start
 
     def release(self) -> None:
@@ -159,4 +161,4 @@ class PrefillGraphs:
         self._mirror.gather([batch.block_table], out=stage["table"].numpy())
         self._inputs.upload()
         self._graphs[size].replay()
-        return self._logits[size][:batch.num_sampled]
+        return self._views[size][:batch.num_sampled]

@@ -252,7 +252,9 @@ def test_bad_head_directories_are_refused_by_name(target, tmp_path):
     assert (flags.method, flags.model, flags.num_speculative_tokens) == ("eagle3", "/heads/h", 4)
 
 
-def test_tensor_parallel_targets_are_refused(tmp_path):
+def test_tree_drafts_over_tensor_parallel_targets_are_refused(tmp_path):
+    """Chains run over a tensor-parallel target (test_eagle3_tp.py); trees do not (the other ranks would have to
+    read the tree mask and move the accepted keys)."""
     from types import SimpleNamespace
 
     from kiln.runtime.speculative.eagle3 import Eagle3Proposer
@@ -260,8 +262,9 @@ def test_tensor_parallel_targets_are_refused(tmp_path):
     head, _ = write_head(tmp_path / "head")
     target = SimpleNamespace(config=SimpleNamespace(mapping=SimpleNamespace(tp_size=2)),
                              spec=SimpleNamespace(engine_dir="/engines/big"))
-    with pytest.raises(EngineError, match="/engines/big is split over 2 ranks"):
-        Eagle3Proposer.load(str(head), target, None, None)
+    tree = SpeculativeConfig.from_dict({**_spec(head, 6), "eagle_topk": 2})
+    with pytest.raises(EngineError, match=r"eagle_topk 2 \(tree drafts\) .*/engines/big is split over 2 ranks"):
+        Eagle3Proposer.load(str(head), target, None, None, tree)
 
 
 @pytest.mark.gpu

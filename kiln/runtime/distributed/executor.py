@@ -17,13 +17,14 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kiln.checkpoints.lora_adapter import LoRAAdapter
 from kiln.engine_format import EngineError
 from kiln.runtime.core.lora_request import LoRARequest
+from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.distributed.channel import PipeSender
 from kiln.runtime.distributed.group import RankGroups
 from kiln.runtime.distributed.launch import RankLaunch, start_local_workers
@@ -58,6 +59,8 @@ class TPExecutor:
         self._watcher: threading.Thread | None = None
         self._step_started: float | None = None
         self._encoder = StepEncoder()  # one for every rank: each decoder follows its block-table ledger
+        # EAGLE-3: where rank 0's features of each step go (capture_hidden); None: none are kept.
+        self._hidden_sink: Callable[[SchedulerOutput, torch.Tensor], None] | None = None
         engine_dir = info.spec.engine_dir
         # The ranks started here get a fresh secret; a launcher's must share one (refused across machines without).
         secret = launch_secret(launch) if launch.external else new_secret()
@@ -98,11 +101,28 @@ class TPExecutor:
         self._step_started = time.monotonic()
         try:
             self._send(step)
-            return self.runner.execute(step)
+            result = self.runner.execute(step)
         except Exception as e:
             raise EngineError(self._describe(e, "running a step")) from e
         finally:
             self._step_started = None
+        if self._hidden_sink is not None and result.aux_hidden is not None:
+            self._hidden_sink(step.schedule, result.aux_hidden)
+        return result
+
+    def capture_hidden(self, layers: tuple[int, ...], sink: Callable[[SchedulerOutput, torch.Tensor], None]) -> None:
+        """As `LocalExecutor.capture_hidden`: every later step's residual streams entering `layers` ([T, 3H] for
+        an EAGLE-3 head) go to `sink` with the step's schedule. Rank 0's runner alone hands them out (after each
+        layer's all-reduce the residual stream is the same on every rank), but every rank captures them, so that
+        all take the same path (graph or eager) through each step and their collectives match: the layers must
+        be those every rank started with (`RuntimeConfig.feature_layers`, set by create_engine). ValueError
+        otherwise."""
+        if tuple(layers) != self.runner.limits.feature_layers:
+            raise ValueError(f"feature layers {list(layers)}: the ranks started capturing "
+                             f"{list(self.runner.limits.feature_layers)} (RuntimeConfig.feature_layers, which "
+                             f"create_engine sets from the speculative config)")
+        self.runner.capture_hidden(layers)
+        self._hidden_sink = sink
 
     def add_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
         """Keeps the adapter `request` names on every rank, each its slice (`lora_sync.py`): `adapter`, already

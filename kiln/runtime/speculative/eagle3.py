@@ -14,6 +14,10 @@ Greedy drafts are the argmax over the target vocabulary (the draft vocabulary pl
 come with q, the head's processed distribution, for the rejection rule. A position whose features never came
 (a prefix-cache hit on the target, or a head cache that had to drop the request) reads zeros: the drafts are
 worse, never wrong. Steps that capture features run eagerly (no CUDA graphs), as verify steps already do.
+
+The head's own steps run eagerly too, a host sync after each draft, except for greedy chains: the draft steps
+after the catch-up of the requests whose draft is the plain argmax run on the device with no sync between them,
+captured in CUDA graphs on CUDA (`eagle3_graphs.py`, `self.chain`).
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ from kiln.runtime.core.block_manager import BlockManager
 from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.sampling.sampler import Sampler, SamplingRow
 from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from kiln.runtime.speculative.eagle3_graphs import ChainDraftGraphs, chain_for, draft_chains
 from kiln.runtime.speculative.eagle3_head import Eagle3Head, load_head
+from kiln.runtime.speculative.eagle3_proposal_graphs import ProposalGraphs, draft_proposals, proposals_for
 from kiln.runtime.speculative.eagle3_tree import HeadTree, grow, new_tree
 from kiln.runtime.speculative.proposer import DraftRequest, Proposal
+from kiln.runtime.speculative.target_embedding import full_target_embedding
 from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
 from kiln.runtime.worker.kv_cache import KVCache
 from kiln.runtime.worker.step_inputs import pack_step
@@ -79,17 +86,22 @@ class Eagle3Proposer:
         self._trees: dict[str, HeadTree] = {}  # tree drafts: request id -> its tree, during a proposal
         # request id -> (first position, [n, F] features) per target step since its last proposal, oldest first.
         self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self.chain: ChainDraftGraphs | None = None  # greedy chain drafts on the device (eagle3_graphs.py)
+        self.proposals: ProposalGraphs | None = None  # ... with the catch-up too (eagle3_proposal_graphs.py)
 
     @classmethod
     def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor,
              config: SpeculativeConfig | None = None, *, verify_checksums: bool = True) -> Eagle3Proposer:
         """Reads the head (a checkpoint or a head engine, its files verified unless `verify_checksums` is False)
-        next to the target's network (`target_executor`, a LocalExecutor) and has the target capture the layers it
-        reads. EngineError: tensor parallelism, a target whose network keeps no features, a head for another model."""
+        next to the target's network (`target_executor`: a LocalExecutor, or a TPExecutor whose rank 0 runs here
+        and hands out the features) and has the target capture the layers it reads. EngineError: tree drafts over
+        a tensor-parallel target, a target whose network keeps no features, a head for another model."""
         tp = target.config.mapping.tp_size
-        if tp > 1:
-            raise EngineError(f"--speculative-mode eagle3 runs with one rank; the target engine "
-                              f"{target.spec.engine_dir} is split over {tp} ranks (tensor parallelism)")
+        if tp > 1 and config is not None and config.is_tree:
+            raise EngineError(f"eagle_topk {config.eagle_topk} (tree drafts) runs with one rank; the target engine "
+                              f"{target.spec.engine_dir} is split over {tp} ranks (tensor parallelism), whose other "
+                              f"ranks cannot verify a tree (its attention mask) nor move its accepted keys: use "
+                              f"eagle_topk 1 (a chain)")
         runner = getattr(target_executor, "runner", None)
         model = getattr(runner, "model", None)
         if not isinstance(model, DecoderForCausalLM):
@@ -98,7 +110,9 @@ class Eagle3Proposer:
         if config is not None and config.is_tree and any(isinstance(m, MLAttention) for m in model.modules()):
             raise EngineError(f"eagle_topk {config.eagle_topk} (tree drafts): the target's multi-head latent "
                               f"attention does not read tree masks; use eagle_topk 1 (a chain)")
-        head = load_head(head_dir, target.model_config, model.model.embed_tokens.weight, target_spec=target.spec,
+        # Under tensor parallelism rank 0 holds only its vocabulary shard of the embedding the head shares.
+        embedding = full_target_embedding(target, model.model.embed_tokens.weight)  # [V, H]
+        head = load_head(head_dir, target.model_config, embedding, target_spec=target.spec,
                          verify_checksums=verify_checksums)
         head.setup_rotary(runtime.max_seq_len, runtime.device)
         layers = head.config.feature_layers(target.model_config.num_layers)
@@ -108,6 +122,10 @@ class Eagle3Proposer:
         per_sequence = -(-(runtime.max_seq_len + MAX_SPECULATIVE_TOKENS * topk) // runtime.block_size)
         num_blocks = min(target_executor.num_kv_blocks, runtime.max_batch_size * per_sequence)
         proposer = cls(head, runtime, num_blocks, runtime.device, topk)
+        if config is not None and topk == 1:
+            proposer.chain = chain_for(head, proposer.cache.layers, runtime, config.num_speculative_tokens - 1)
+            proposer.proposals = proposals_for(proposer.chain, runtime, config.num_speculative_tokens,
+                                               proposer.num_features)
         try:
             target_executor.capture_hidden(layers, proposer.observe)
         except ValueError as e:
@@ -141,9 +159,12 @@ class Eagle3Proposer:
                 tokens, parents = tree.search.result()
                 proposals[request_id] = Proposal(tokens, None, parents)
             return proposals
-        self._catch_up(work)
-        for _ in range(max(w.request.max_tokens for w in work) - 1):
-            self._decode([w for w in work if len(w.drafts) < w.request.max_tokens])
+        # Whole proposals on the device where they can; the rest: catch-up, then chain steps or eager steps.
+        work_left = work if self.proposals is None else draft_proposals(self.proposals, self.blocks.block_table, work)
+        self._catch_up(work_left)
+        rest = work_left if self.chain is None else draft_chains(self.chain, self.blocks.block_table, work_left)
+        for _ in range(max((w.request.max_tokens for w in rest), default=1) - 1):
+            self._decode([w for w in rest if len(w.drafts) < w.request.max_tokens])
         proposals = {}
         for w in work:
             probs = torch.stack(w.probs) if w.probs else None  # [k, V]
@@ -164,6 +185,10 @@ class Eagle3Proposer:
 
     def shutdown(self) -> None:
         self._features.clear()
+        if self.proposals is not None:
+            self.proposals.release()
+        if self.chain is not None:
+            self.chain.release()
 
     # ---- one proposal --------------------------------------------------------------------------
     def _start(self, request: DraftRequest) -> _Drafting | None:

@@ -31,7 +31,7 @@ from kiln.runtime.sampling.sampler import SamplingRow
 from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
 from kiln.runtime.worker.cuda_graphs import capture_sizes
-from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into, release_graphs
 from kiln.runtime.worker.kv_cache import LayerCache
 from kiln.runtime.worker.step_inputs import rope_length
 
@@ -149,11 +149,7 @@ class ChainDraftGraphs:
 
     def release(self) -> None:
         """Destroys the captured graphs (later batches run eagerly)."""
-        if self._graphs:
-            torch.cuda.synchronize(self.device)
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        release_graphs(self._graphs, self.device)
         self._outputs.clear()
 
     @torch.inference_mode()

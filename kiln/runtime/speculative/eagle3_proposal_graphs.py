@@ -35,7 +35,7 @@ from kiln.runtime.speculative.eagle3_graphs import (
     chain_row,
     draft_argmax,
 )
-from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, capture_sizes_into, release_graphs
 from kiln.runtime.worker.step_inputs import slots_of
 
 logger = logging.getLogger("kiln.runtime")
@@ -92,11 +92,7 @@ class ProposalGraphs:
         return time.perf_counter() - started
 
     def release(self) -> None:
-        if self._graphs:
-            torch.cuda.synchronize(self.chain.device)
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        release_graphs(self._graphs, self.chain.device)
         self._outputs.clear()
 
     @torch.inference_mode()

@@ -30,7 +30,7 @@ from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
-from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into, release_graphs
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
 from kiln.runtime.worker.step_inputs import rope_length, slot_of
@@ -155,10 +155,7 @@ class DecodeGraphs:
         """Destroys the captured graphs. NCCL cannot tear down a communicator that a live graph captured a
         collective of (its destroy waits for the graph: pytorch#115388), so a tensor-parallel rank releases
         its graphs before it leaves its process groups."""
-        torch.cuda.synchronize(self._seq_lens.device)
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        release_graphs(self._graphs, self._seq_lens.device)
 
     def fits(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_batch_size

@@ -34,6 +34,16 @@ def capture_sizes_into(sizes: Sequence[int], forward: Callable[[int], torch.Tens
     torch.cuda.synchronize()
 
 
+def release_graphs(graphs: dict[int, torch.cuda.CUDAGraph], device: torch.device) -> None:
+    """Destroys captured graphs, once the device has run what was queued (a replay may still be running); leaves
+    `graphs` empty."""
+    if graphs:
+        torch.cuda.synchronize(device)
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()
+
+
 class OutputBuffer:
     """One output tensor for every captured size of a family of graphs, [max_rows, ...]: each graph writes its
     prefix (a graph holds raw addresses, so the buffer is never reallocated). Allocated at the first write, the

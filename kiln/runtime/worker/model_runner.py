@@ -226,10 +226,11 @@ class ModelRunner:
             self.kv_cache.copy_blocks(schedule.block_copies)
         capture = self.capture_layers
         verify = self.verify_graphs
-        if verify is not None and feed is None and capture in ((), verify.capture_layers):
+        if (verify is not None and feed is None and capture in ((), verify.capture_layers)
+                and verify.fits(len(schedule.requests))):
             batch = verify_batch(schedule, self.block_size, self.model, targets, verify.tokens_per_seq, verify.tree,
                                  require_drafts=not capture)
-            if batch is not None and verify.fits(batch.num_seqs):
+            if batch is not None:
                 rows = self.lora.place(schedule) if self.lora is not None else None
                 logits, aux = verify.run(batch, rows)  # [R, V], [R, F] or None
                 return StepResult(logits, request_ids, batch.logits_offsets, {}, aux if capture else None)

@@ -26,7 +26,7 @@ from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
 from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
-from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into, release_graphs
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed
 from kiln.runtime.worker.step_inputs import rope_lengths_of, slots_of
@@ -134,10 +134,7 @@ class PrefillGraphs:
 
     def release(self) -> None:
         """Destroys the captured graphs (see DecodeGraphs.release)."""
-        torch.cuda.synchronize(self._inputs.buffers["lens"].device)
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        release_graphs(self._graphs, self._inputs.buffers["lens"].device)
 
     def run(self, batch: PrefillBatch, lora_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Replays the graph for `batch`; returns the logits of its sampled position, [num_sampled, V] float32,

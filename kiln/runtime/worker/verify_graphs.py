@@ -37,7 +37,7 @@ from kiln.runtime.core.scheduler import SchedulerOutput
 from kiln.runtime.sampling.host_tensors import to_device
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
 from kiln.runtime.worker.cuda_graphs import capture_sizes
-from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into
+from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into, release_graphs
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.step_inputs import rope_lengths_of, slots_of
 from kiln.runtime.worker.tree_rows import tree_rows
@@ -88,15 +88,16 @@ def verify_batch(step: SchedulerOutput, block_size: int, model: CausalLM, prompt
     `require_drafts`; a plain decode step has cheaper graphs) at least one request with drafts; else None.
     `tree`: the graphs read tree masks."""
     q = tokens_per_seq
+    # Checked first, without building rows: speculating engines run plain decode and prefill steps too.
+    if require_drafts and not any(len(r.token_ids) > 1 for r in step.requests):
+        return None
     ids, positions, ropes, slots, masks, lens, tables, real, offsets = [], [], [], [], [], [], [], [], [0]
-    any_drafts = False
     for i, r in enumerate(step.requests):
         n = len(r.token_ids)
         if n > q or r.num_sampled != n or r.request_id in prompt_logprob_targets:
             return None
         if r.draft_parents and not tree:
             return None
-        any_drafts |= n > 1
         start, pad = r.start_position, q - n
         rope_prompt = max(r.num_prompt_tokens, r.rope_min_length)
         if r.draft_parents:
@@ -120,7 +121,7 @@ def verify_batch(step: SchedulerOutput, block_size: int, model: CausalLM, prompt
         tables.append(r.block_ids)
         real.extend(range(i * q, i * q + n))
         offsets.append(offsets[-1] + n)
-    if not ids or (require_drafts and not any_drafts) or model.needs_per_length_rope(max(ropes)):
+    if not ids or model.needs_per_length_rope(max(ropes)):
         return None
     return VerifyBatch(ids, positions, ropes, slots, masks if tree else None, lens, tables, real, tuple(offsets))
 
@@ -199,10 +200,7 @@ class VerifyGraphs:
 
     def release(self) -> None:
         """Destroys the captured graphs (see DecodeGraphs.release)."""
-        torch.cuda.synchronize(self._query_start_loc.device)
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        release_graphs(self._graphs, self._query_start_loc.device)
 
     def run(self, batch: VerifyBatch, lora_rows: Sequence[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -37,6 +37,19 @@ def target(tmp_path_factory):
     return engine, model
 
 
+def assert_everything_back(llm) -> dict:
+    """After a run with preemptions and prefix-cache hits: every target and head KV block free, the head's
+    per-request state gone, drafts made. Returns the speculation stats."""
+    kv, stats = llm.kv_cache_stats(), llm.speculation_stats()
+    proposer = llm.engine.speculator.proposer
+    assert kv["free_blocks"] == kv["total_blocks"] and kv["num_preemptions"] > 0
+    assert kv["prefix_cache_hit_tokens"] > 0
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # the head's cache is back too
+    assert not proposer._features and not proposer._sequences
+    assert stats["num_drafts"] > 0
+    return stats
+
+
 def _draft_ids() -> torch.Tensor:
     """The target ids of the draft vocabulary: DRAFT_VOCAB of the VOCAB, increasing (as the published maps are)."""
     keep = torch.ones(VOCAB, dtype=torch.bool)
@@ -157,13 +170,7 @@ def test_greedy_output_is_identical_to_decoding_without_speculation(target, refe
             proposer.propose = twice
         outputs = llm.generate(_prompts(), [_params(i) for i in range(14)])
         assert [o.token_ids for o in outputs] == reference
-        kv, stats = llm.kv_cache_stats(), llm.speculation_stats()
-        proposer = llm.engine.speculator.proposer
-        assert kv["free_blocks"] == kv["total_blocks"] and kv["num_preemptions"] > 0
-        assert kv["prefix_cache_hit_tokens"] > 0
-        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # the head's cache is back too
-        assert not proposer._features and not proposer._sequences
-        assert stats["num_drafts"] > 0
+        assert_everything_back(llm)
 
 
 def test_features_and_drafts_are_what_a_plain_head_computes(target, tmp_path):

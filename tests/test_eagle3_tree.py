@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_factory import make_checkpoint
-from test_eagle3 import LAYERS, TIGHT, _params, _prompts, write_head
+from test_eagle3 import LAYERS, TIGHT, _params, _prompts, assert_everything_back, write_head
 from triton_interpret import needs_triton, run_interpreted
 
 from kiln.plugins.attention import paged_attention_reference
@@ -79,13 +79,7 @@ def test_greedy_output_is_identical_to_decoding_without_speculation(target, refe
     with LLM(target, speculative_config=_spec(head, 4, topk, nodes), **TIGHT) as llm:
         _plant_truth(llm.engine.speculator.proposer, [p + r for p, r in zip(_prompts(), reference)])
         assert [o.token_ids for o in llm.generate(_prompts(), [_params(i) for i in range(14)])] == reference
-        kv, stats = llm.kv_cache_stats(), llm.speculation_stats()
-        proposer = llm.engine.speculator.proposer
-        assert kv["free_blocks"] == kv["total_blocks"] and kv["num_preemptions"] > 0
-        assert kv["prefix_cache_hit_tokens"] > 0
-        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # the head's cache is back too
-        assert not proposer._features and not proposer._sequences
-        assert stats["num_drafts"] > 0
+        stats = assert_everything_back(llm)
         if nodes:
             assert stats["num_accepted_tokens"] > 0  # trees of `nodes` nodes were verified (fewer where a request's limits cut them)
             assert stats["num_draft_tokens"] > 4 * stats["num_drafts"]

@@ -12,6 +12,8 @@ import torch
 
 from kiln.plugins.step_plan import StepPlan, step_plan
 
+from .mla_split import MLASplit, mla_split
+
 
 @dataclass(frozen=True)
 class ForwardContext:
@@ -39,6 +41,11 @@ class ForwardContext:
     # Tree drafts (speculative decoding): [T] int64, each query's tree mask (plugins/tree_mask.py; 0: causal);
     # None where no sequence of the step is a tree.
     tree_mask: torch.Tensor | None = None
+    # Per sequence, known on the host where the eager step built this context (step_inputs.build_context): its
+    # query tokens and its keys after the step. None (unknown, as in every CUDA-graph context) keeps the paths
+    # that need them off (MLA's explicit prefill, mla_split.py).
+    host_query_lens: tuple[int, ...] | None = None
+    host_seq_lens: tuple[int, ...] | None = None
 
     @cached_property
     def plan(self) -> StepPlan | None:
@@ -46,3 +53,11 @@ class ForwardContext:
         by every layer (the attention and KV-write wrappers' `plan=`); None where the GPU kernels run."""
         block_size = self.kv_caches[0][0].shape[1] if self.kv_caches else 1
         return step_plan(self.block_tables, self.seq_lens, self.query_start_loc, self.slot_mapping, block_size)
+
+    @cached_property
+    def mla_split(self) -> MLASplit | None:
+        """Which sequences MLA computes in the explicit form (mla_split.py), worked out on first use and shared
+        by every layer; None where all stay absorbed."""
+        block_size = self.kv_caches[0][0].shape[1] if self.kv_caches else 1
+        return mla_split(self.host_query_lens, self.host_seq_lens, self.block_tables, self.seq_lens,
+                         self.slot_mapping, block_size, self.tree_mask is not None)

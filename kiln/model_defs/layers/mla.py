@@ -9,9 +9,12 @@ compressed kv (c) and the rotated shared rope key (k_pe). Keys and values are ne
 so attention runs with the up-projections absorbed: each head's query is taken into latent space
 (q_lat_h = W_UK_h^T q_nope_h, [kv_lora_rank]) and attends over the latent cache as multi-query attention with
 head dim kv_lora_rank + rope dim (`kiln::mla_attention`, plugins/mla_attention.py: the paged-attention reference
-on the CPU, a Triton kernel reading each cached row once on CUDA); the output goes through W_UV_h. Prefill takes the same absorbed path (one operator for
-every step, CUDA graphs included); `explicit_attention` computes k and v per head from the cached latent, the
-form transformers runs, and a test holds the two equal.
+on the CPU, a Triton kernel reading each cached row once on CUDA); the output goes through W_UV_h. That is the
+memory win of decode, but a long prompt pays ~3.4x the explicit form's attention FLOPs for it: in an eager step
+the sequences of at least `EXPLICIT_MIN_QUERY` queries (mla_split.py) are computed explicitly instead
+(mla_prefill.py: every key's latent up-projected in one GEMM, flash attention with head dims 192 / 128), the
+other rows absorbed; CUDA-graph steps (no host lengths) and tree verification stay absorbed throughout.
+`explicit_attention` is the per-sequence form transformers runs, which tests hold both paths equal to.
 
 Tensor parallelism splits the heads (q_b_proj / q_proj and kv_b_proj column-parallel by whole heads, o_proj
 row-parallel); the latent projections and the cache are replicated on every rank.
@@ -30,10 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.plugins import mla_attention, rotary_embedding, write_kv_cache
+from kiln.plugins.step_plan import StepPlan
 
 from ..config import ModelConfig
 from .context import ForwardContext
 from .linear import LinearFactory
+from .mla_prefill import explicit_prefill
 from .norm import RMSNorm
 from .rotary import yarn_softmax_mscale
 
@@ -45,7 +50,8 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """x [T, H] -> [T, H]: DeepSeek's attention sublayer over the step's paged latent cache
     (`ForwardContext.kv_caches[layer]`: both entries the one [N, block_size, 1, kv_lora_rank + rope] cache).
-    `forward` is the absorbed form the engine runs; `explicit_attention` the per-head form it is checked against."""
+    `forward` runs the absorbed form, and the explicit one for an eager step's long sequences (mla_prefill.py);
+    `explicit_attention` is the per-head form both are checked against."""
 
     def __init__(self, config: ModelConfig, layer_index: int, linears: LinearFactory, prefix: str) -> None:
         super().__init__()
@@ -108,12 +114,28 @@ class MLAttention(nn.Module):
             raise ValueError("a quantized (FP8 / INT8) KV cache is not supported with MLA; use a float cache")
         plan = ctx.plan
         write_kv_cache(latent, latent, cache, cache, ctx.slot_mapping, plan=plan)
+        split = ctx.mla_split  # the step's long sequences, computed explicitly (mla_split.py); None: none
+        if split is None:
+            o = self.absorbed(q_nope, q_pe, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, plan)
+        else:
+            o = q_nope.new_empty(x.shape[0], self.num_heads, self.mla.v_head_dim)  # [T, Hl, dv]
+            if split.absorbed is not None:  # the other sequences, as a step of their own
+                rest = split.absorbed
+                o.index_copy_(0, rest.rows, self.absorbed(
+                    q_nope.index_select(0, rest.rows), q_pe.index_select(0, rest.rows), cache, rest.block_tables,
+                    rest.seq_lens, rest.query_start_loc, rest.plan))
+            explicit_prefill(q_nope, q_pe, cache, self.kv_b_proj.weight, self.mla, self.scale, split, o)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, plan: StepPlan | None) -> torch.Tensor:
+        """The absorbed form over the latent cache: q_nope [T, Hl, dn], q_pe [T, Hl, dr] (rotated) of the step
+        the paging tensors describe -> [T, Hl, dv] (before o_proj)."""
         w_uk, w_uv = self.up_projections()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, Hl, r]
-        out = mla_attention(q_lat, q_pe, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, self.scale,
+        out = mla_attention(q_lat, q_pe, cache, block_tables, seq_lens, query_start_loc, self.scale,
                             plan=plan)  # [T, Hl, r]
-        o = torch.einsum("thr,hvr->thv", out, w_uv)  # [T, Hl, dv]
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return torch.einsum("thr,hvr->thv", out, w_uv)  # [T, Hl, dv]
 
     def explicit_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                            block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

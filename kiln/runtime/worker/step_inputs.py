@@ -91,7 +91,8 @@ def build_context(*, positions: list[int], rope_lengths: list[int], slots: list[
     `tables`: each sequence's block ids, or already padded into an int32 array [S, width] (what
     `BlockTableMirror.gather` makes). `kv_scales`: the cache's per-layer (k_scale, v_scale) device tensors
     (`KVCache.scales`), None for a float cache. Tree drafts, whose positions are not their keys' indices: each
-    sequence's key count `seq_lens` and every token's `tree_mask` (plugins/tree_mask.py)."""
+    sequence's key count `seq_lens` and every token's `tree_mask` (plugins/tree_mask.py). The per-sequence
+    query and key counts are kept on the host too (`ForwardContext.host_query_lens`, `host_seq_lens`)."""
     if not isinstance(tables, np.ndarray):
         tables = BlockTableMirror().gather(tables)
     starts = [0]
@@ -110,6 +111,8 @@ def build_context(*, positions: list[int], rope_lengths: list[int], slots: list[
         max_rope_length=max(rope_lengths),
         kv_scales=kv_scales,
         tree_mask=None if tree_mask is None else to_device(tree_mask, torch.int64, device),
+        host_query_lens=tuple(query_lens),
+        host_seq_lens=tuple(seq_lens),
     )
 
 

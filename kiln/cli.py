@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import kiln
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         # the runtime names its fields (SamplingParams.top_p); the user typed flags (--top-p)
         print(f"kiln {name}: error: {with_flags(str(e), getattr(args, 'field_flags', {}))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`kiln generate ... | head`): what it wanted it has. Point stdout at /dev/null so
+        # that the interpreter's last flush does not fail again, and exit as a pipe writer killed by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

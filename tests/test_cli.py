@@ -94,6 +94,18 @@ def test_kiln_runs_as_a_program():
     assert "build" in done.stdout and "generate" in done.stdout
 
 
+def test_generate_into_a_closed_pipe_stops_quietly(engine):
+    """`kiln generate ... | head`: the reader leaves early (here at once: `true` reads nothing, and has exited
+    long before the engine loads); kiln stops without a traceback, as a pipe writer killed by SIGPIPE."""
+    kiln = shutil.which("kiln")
+    argv = ([kiln] if kiln else [sys.executable, "-m", "kiln.cli"]) + [
+        "generate", "--engine", str(engine), "--prompt", "hello", "--max-tokens", "16"]
+    done = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | true', "kiln", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 141, done.stderr
+
+
 def _error_line(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -4,7 +4,8 @@ by kiln and run against transformers on the weights dequantized, with the activa
 keeps in FP8 fake-quantized per token and group of b1 columns (test_fp8_block.py's code, written from the format's
 definition). The engine keeps q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj, the dense MLP and the shared experts
 in FP8 (the rope rows reordered within their blocks), dequantizes kv_b_proj and the routed experts, and leaves the
-MTP layer unread. At TP=1 and TP=2 (gloo), with chunked prefill. Refusals by their messages.
+MTP layer unread. At TP=1 and TP=2 (gloo), with chunked prefill, long chunks taking MLA's explicit prefill.
+Refusals by their messages.
 
 The dims are small but fit the blocks of 32 rows as the engine needs them: every head's q rows (24 nope + 8 rope)
 are one block, so the rope rows keep their block; the dense MLP's and shared experts' intermediate sizes (128, 64)
@@ -23,7 +24,7 @@ import transformers
 from model_factory import hf_greedy, hf_prompt_logprobs
 from safetensors.torch import load_file, save_file
 from test_fp8_block import _dequantize_by_blocks, _fake_quantize_activation, _quantize_weight_by_blocks
-from test_models_deepseek import make_checkpoint
+from test_models_deepseek import check_explicit_prefill, make_checkpoint
 
 from kiln.builder.build import BuildError, build_engine
 from kiln.builder.build_config import BuildConfig
@@ -185,13 +186,21 @@ def test_chunked_prefill_matches_transformers(fp8_case):
         assert out.token_ids == hf_greedy(reference, prompt, p.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
-def test_tp2_matches_transformers(fp8_case):
+def test_explicit_prefill_matches_transformers(fp8_case, monkeypatch, tmp_path):
+    """A prompt in one step and a prefix-cached one in long chunks through MLA's explicit prefill."""
+    _, _, reference, engine = fp8_case
+    check_explicit_prefill(engine, reference, 1, monkeypatch, tmp_path, _assert_logprobs_close)
+
+
+def test_tp2_matches_transformers(fp8_case, monkeypatch, tmp_path):
     """Heads split over two ranks on whole blocks (q_b_proj's 2 heads = 2 blocks of rows, o_proj's 32 input
-    columns = 1 block), the shared experts' and dense MLP's intermediate features too; chunked prefill."""
+    columns = 1 block), the shared experts' and dense MLP's intermediate features too; chunked prefill in short
+    chunks (absorbed), then long ones (the explicit prefill) on both ranks."""
     root, _, reference, _ = fp8_case
     engine = build_engine(root / "fp8", root / "tp2", BuildConfig(tp_size=2, **LIMITS), progress=False)
     with LLM(engine, max_num_tokens=16) as llm:
         _check_against_reference(llm, reference)
+    check_explicit_prefill(engine, reference, 2, monkeypatch, tmp_path, _assert_logprobs_close)
 
 
 def test_a_split_that_cuts_a_block_is_refused_by_name(fp8_case, tmp_path):

@@ -1,8 +1,9 @@
 """DeepSeek-V2 / V3 (multi-head latent attention, DeepSeek-MoE) against transformers: tiny random checkpoints
 with several expert groups, a dense first layer, q_lora_rank null (V2-Lite) and set, YaRN with mscale, V3's
 correction bias and both rope layouts. kiln's greedy tokens equal transformers' and its prompt logprobs match
-within float32 tolerance, under in-flight batching with chunked prefill and preemption, at TP=2 over gloo;
-the absorbed attention equals the explicit form; the KV cache holds one latent per token and layer."""
+within float32 tolerance, under in-flight batching with chunked prefill and preemption, at TP=2 over gloo
+(long chunks through the explicit prefill on both ranks); the absorbed attention equals the explicit form; the
+KV cache holds one latent per token and layer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from mla_probe import record_explicit_prefill
 from model_factory import (
     BASE,
     build_case,
@@ -96,9 +98,10 @@ def test_in_flight_batching_chunked_prefill_and_preemption_match_transformers(ca
 
 
 @pytest.mark.parametrize("name", ["v2-lite", "v3"])
-def test_tp2_matches_transformers(tmp_path, name):
+def test_tp2_matches_transformers(tmp_path, monkeypatch, name):
     """Heads split over two ranks (q, kv_b_proj by whole heads, o_proj by rows), the latent and its cache
-    replicated; the routed and shared experts split by intermediate features."""
+    replicated; the routed and shared experts split by intermediate features. Short chunks (absorbed), then
+    long ones (the explicit prefill) on both ranks."""
     architecture, overrides = CASES[name]
     checkpoint, model = make_checkpoint(tmp_path / "ckpt", architecture, **overrides)
     engine = build_engine(checkpoint, tmp_path / "tp2", BuildConfig(tp_size=2, **LIMITS), progress=False)
@@ -111,6 +114,36 @@ def test_tp2_matches_transformers(tmp_path, name):
     for prompt, out in zip(PROMPTS, outputs):
         assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
         assert out.prompt_logprobs[1:] == pytest.approx(hf_prompt_logprobs(model, prompt), abs=1e-4)
+    check_explicit_prefill(engine, model, 2, monkeypatch, tmp_path)
+
+
+def _assert_logprobs_within_1e4(got: list[list[float]], want: list[list[float]]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, abs=1e-4)
+
+
+def check_explicit_prefill(engine: Path, model, tp_size: int, monkeypatch, tmp_path: Path,
+                           assert_logprobs_close=_assert_logprobs_within_1e4) -> None:
+    """MLA's explicit prefill (mla_split.py: a sequence of >= 32 queries in an eager step) on every rank: a
+    48-token prompt in one step; then, beside a short prompt's prefill and then its decode row, a prompt whose
+    first 32 tokens are prefix-cached, in chunks of 43 and 37 queries (a 48-token step budget). Greedy tokens
+    equal transformers' (`model`), the generated tokens' logprobs are close to its; each of the `tp_size` ranks
+    took the explicit path in exactly those steps, in every layer."""
+    calls = record_explicit_prefill(monkeypatch, tmp_path)  # before the LLM starts its worker ranks
+    first = [(13 * i + 5) % 390 + 2 for i in range(48)]
+    cached = first[:32] + [(5 * i + 1) % 390 + 2 for i in range(80)]
+    prompts, new_tokens = [first, PROMPTS[1], cached], 4
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=True)
+    with LLM(engine, max_num_tokens=48) as llm:
+        outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 32]
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(model, prompt, new_tokens), f"prompt of {len(prompt)} tokens"
+    assert_logprobs_close([o.logprobs for o in outputs],
+                          [hf_prompt_logprobs(model, p + o.token_ids)[len(p) - 1:] for p, o in zip(prompts, outputs)])
+    layers = model.config.num_hidden_layers  # (queries, keys, absorbed rows beside) per explicit sequence
+    steps = [((48,), (48,), False), ((43,), (75,), True), ((37,), (112,), True)]
+    assert calls() == [[step for step in steps for _ in range(layers)]] * tp_size
 
 
 def _tiny_mla_model(q_lora_rank: int, tp_heads: int = 4):

@@ -18,9 +18,15 @@ embedding and `norm` from its final norm, both frozen: the head learns to map in
 
     OMP_NUM_THREADS=1 python scripts/train_eagle3.py --out examples/kiln-tiny-code-eagle3 --time-budget 780
 
-On a GPU (`--device cuda`), with the token stream encoded on another machine so that the corpus is the same:
-    python scripts/train_eagle3.py --dump-stream stream.npy            # here: writes stream.npy + stream.json
-    python scripts/train_eagle3.py --stream stream.npy --device cuda --batch-size 64 --out HEAD   # there
+The bundled head was trained on a GPU, on the corpus the target was trained on (`--corpus tiny`: train_tiny's
+collection of that machine's Python files), reading layers 2, 4 and 7 (the high layer near the top: the target
+has 8) with an MLP 3x the target's (`--intermediate-size`: after the first draft the head reads only its own
+hidden state, so it must be a small language model itself):
+    python scripts/train_eagle3.py --corpus tiny --device cuda --bf16 --batch-size 128 --seq-len 256 --unroll 5 \
+        --feature-layers 2,4,7 --intermediate-size 3072 --time-budget 430 --out HEAD
+`--init HEAD` continues training a head (over several GPU sessions); `--dump-stream FILE` / `--stream FILE` encode a
+corpus on one machine and train on it on another; `--generated-fraction` mixes in the target's own continuations
+(self-distillation; tried: greedy acceptance +0.04, sampled -0.3, so the bundled head does without).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny import HELD_OUT, MAX_FILE_BYTES, SKIP_DIRS, source_roots  # noqa: E402
+from train_tiny import HELD_OUT, MAX_FILE_BYTES, SKIP_DIRS, collect_corpus, encode_stream, source_roots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HELDOUT = ROOT / "examples" / "heldout-sample.txt"
@@ -149,16 +155,27 @@ class TrainHead(nn.Module):
             hidden = prenorm
         return out
 
+    def names(self) -> dict[str, torch.Tensor]:
+        """The head's tensors by their published names (trained ones and the frozen norm and lm_head)."""
+        p, a, m = self.p, "midlayer.self_attn.", "midlayer.mlp."
+        return {"fc.weight": p["fc"], a + "q_proj.weight": p["q"], a + "k_proj.weight": p["k"],
+                a + "v_proj.weight": p["v"], a + "o_proj.weight": p["o"], m + "gate_proj.weight": p["gate"],
+                m + "up_proj.weight": p["up"], m + "down_proj.weight": p["down"],
+                "midlayer.input_layernorm.weight": p["input_ln"], "midlayer.hidden_norm.weight": p["hidden_norm"],
+                "midlayer.post_attention_layernorm.weight": p["post_ln"], "norm.weight": self.norm,
+                "lm_head.weight": self.lm_head}
+
+    def load_published(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Starts from a head written by `published` (`--init`): its trained tensors copied in."""
+        with torch.no_grad():
+            for name, param in self.names().items():
+                if isinstance(param, nn.Parameter):
+                    param.copy_(tensors[name].float())
+
     def published(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The tensors in the published EAGLE-3 layout."""
-        p, a, m = self.p, "midlayer.self_attn.", "midlayer.mlp."
         vocab = self.embed.shape[0]
-        t = {"fc.weight": p["fc"], a + "q_proj.weight": p["q"], a + "k_proj.weight": p["k"],
-             a + "v_proj.weight": p["v"], a + "o_proj.weight": p["o"], m + "gate_proj.weight": p["gate"],
-             m + "up_proj.weight": p["up"], m + "down_proj.weight": p["down"],
-             "midlayer.input_layernorm.weight": p["input_ln"], "midlayer.hidden_norm.weight": p["hidden_norm"],
-             "midlayer.post_attention_layernorm.weight": p["post_ln"], "norm.weight": self.norm,
-             "lm_head.weight": self.lm_head}
+        t = self.names()
         out = {k: v.detach().to(dtype).contiguous().clone() for k, v in t.items()}
         out = {k: v.cpu() for k, v in out.items()}
         out["d2t"] = torch.zeros(vocab, dtype=torch.int64)  # draft vocabulary = target vocabulary
@@ -167,6 +184,24 @@ class TrainHead(nn.Module):
 
 
 # ---- training ------------------------------------------------------------------------------------
+def generate_pool(target, stream: np.ndarray, length: int, prompt_len: int, batch: int, budget_s: float,
+                  seed: int, device) -> np.ndarray:
+    """Self-distillation text: the target's own continuations of corpus windows (`prompt_len` tokens, then
+    `length - prompt_len` generated; batches alternate greedy and temperature-0.8 sampling, which is what
+    speculative decoding drafts for), generated for `budget_s` seconds -> [n, length] int64."""
+    rng, out, start = np.random.default_rng(seed + 1), [], time.time()
+    while time.time() - start < budget_s:
+        offsets = rng.integers(0, stream.size - prompt_len, batch)
+        prompts = torch.from_numpy(np.stack([stream[o:o + prompt_len] for o in offsets])).to(device)  # [B, P]
+        sample = len(out) % 2 == 1
+        with torch.no_grad():
+            seqs = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=sample,
+                                   max_new_tokens=length - prompt_len, min_new_tokens=length - prompt_len,
+                                   temperature=0.8 if sample else None, top_p=None, top_k=None, pad_token_id=2)
+        out.append(seqs[:, :length].cpu().numpy())
+    return np.concatenate(out) if out else np.zeros((0, length), dtype=np.int64)
+
+
 def target_pass(target, window: torch.Tensor, layers: tuple[int, ...], s: int):
     """window [B, S + U] -> (features [B, S, 3H] at chain starts 0..S-1, target probabilities [B, S + U, V])."""
     with torch.no_grad():
@@ -222,6 +257,25 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--corpus-bytes", type=int, default=12_000_000)
+    ap.add_argument("--corpus", choices=("sample", "tiny"), default="sample",
+                    help="sample: a seeded sample of --corpus-bytes of this interpreter's Python files; tiny: the "
+                         "whole corpus scripts/train_tiny.py trains the bundled models on (de-duplicated, "
+                         "per-package caps), which on the machine they were trained on is their own training text")
+    ap.add_argument("--feature-layers", default=None, metavar="I,J,K",
+                    help="the target layers whose input residual streams the head reads (default: the target "
+                         "config's eagle_aux_hidden_state_layer_ids, else 2, L // 2, L - 3); below L, since the "
+                         "last entry of transformers' hidden states has the final norm applied")
+    ap.add_argument("--intermediate-size", type=int, default=None,
+                    help="the head's MLP width (default: the target's); its later draft steps read only its own "
+                         "hidden state, so a wider MLP is where a head gains as a language model of its own")
+    ap.add_argument("--init", default=None, metavar="HEAD_DIR",
+                    help="continue training a head this script wrote (its config and weights; the optimizer and "
+                         "the learning-rate schedule start afresh), e.g. over several GPU sessions")
+    ap.add_argument("--bf16", action="store_true", help="autocast matmuls to bfloat16 (CUDA), losses in float32")
+    ap.add_argument("--generated-fraction", type=float, default=0.0,
+                    help="share of each batch taken from the target's own continuations (generate_pool)")
+    ap.add_argument("--generate-budget", type=float, default=120.0, help="seconds spent generating them")
+    ap.add_argument("--generate-batch", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--stream", default=None, help="a token stream written by --dump-stream (instead of this machine's corpus)")
@@ -238,12 +292,24 @@ def main() -> None:
     tcfg = json.loads((Path(args.target) / "config.json").read_text())
     n_layers = tcfg["num_hidden_layers"]
     layers = tuple(tcfg.get("eagle_aux_hidden_state_layer_ids") or (2, n_layers // 2, n_layers - 3))
+    if args.feature_layers:
+        layers = tuple(int(i) for i in args.feature_layers.split(","))
+        if len(layers) != 3 or not all(0 <= i < n_layers for i in layers):
+            ap.error(f"--feature-layers {args.feature_layers}: three layer indices in [0, {n_layers})")
     cfg = head_config(tcfg, layers)
+    if args.intermediate_size:
+        cfg["intermediate_size"] = args.intermediate_size
+    if args.init:  # continue training a head: its shape and feature layers are the head's own
+        cfg = json.loads((Path(args.init) / "config.json").read_text())
+        layers = tuple(cfg["eagle_aux_hidden_state_layer_ids"])
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     t0 = time.time()
     if args.stream:
         stream = np.load(args.stream).astype(np.int64)
         corpus = json.loads(Path(args.stream).with_suffix(".json").read_text())
+    elif args.corpus == "tiny":
+        docs, _, corpus = collect_corpus()
+        stream = encode_stream(tokenizer, docs).astype(np.int64)
     else:
         texts, corpus = sample_corpus(args.corpus_bytes, args.seed)
         stream = encode(tokenizer, texts)
@@ -254,9 +320,21 @@ def main() -> None:
         return
     heldout = np.asarray(tokenizer.backend_tokenizer.encode(HELDOUT.read_text(), add_special_tokens=False).ids)
     corpus.update(train_tokens=int(stream.size), prepare_s=round(time.time() - t0, 1))
+    pool = np.zeros((0, args.seq_len + args.unroll), dtype=np.int64)
+    if args.generated_fraction > 0:
+        t1 = time.time()
+        pool = generate_pool(target, stream, args.seq_len + args.unroll, 64, args.generate_batch,
+                             args.generate_budget, args.seed, device)
+        corpus.update(generated_sequences=len(pool), generated_tokens=int(pool.size),
+                      generated_prompt_tokens=64, generate_s=round(time.time() - t1, 1),
+                      generated_fraction=args.generated_fraction)
+        print(f"generated {len(pool)} sequences of {pool.shape[1]} tokens in {corpus['generate_s']}s", flush=True)
     print(f"corpus: {corpus['train_files']} files, {stream.size:,} tokens in {corpus['prepare_s']}s", flush=True)
 
     head = TrainHead(cfg, target.model.embed_tokens.weight.detach(), target.model.norm.weight.detach()).to(device)
+    if args.init:
+        from safetensors.torch import load_file
+        head.load_published(load_file(str(Path(args.init) / "model.safetensors")))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(args.seed)
@@ -264,12 +342,15 @@ def main() -> None:
     weights = [0.8 ** k for k in range(u)]  # EAGLE-3's decay over the unrolled steps
     log, step, start, est_steps = [], 0, time.time(), None
     while time.time() - start < args.time_budget:
-        offsets = rng.integers(0, stream.size - s - u, args.batch_size)
-        window = torch.from_numpy(np.stack([stream[o:o + s + u] for o in offsets])).to(device)  # [B, S + U]
-        feats, probs = target_pass(target, window, layers, s)
-        toks, goals = step_inputs(window, probs, s, u)
-        logits = head(toks, feats)
-        losses = [F.cross_entropy(lg.reshape(-1, lg.shape[-1]), g.reshape(-1, g.shape[-1]))
+        n_gen = round(args.batch_size * args.generated_fraction) if len(pool) else 0
+        offsets = rng.integers(0, stream.size - s - u, args.batch_size - n_gen)
+        rows = [stream[o:o + s + u] for o in offsets] + list(pool[rng.integers(0, len(pool), n_gen)])
+        window = torch.from_numpy(np.stack(rows)).to(device)  # [B, S + U]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            feats, probs = target_pass(target, window, layers, s)
+            toks, goals = step_inputs(window, probs, s, u)
+            logits = head(toks, feats)
+        losses = [F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), g.float().reshape(-1, g.shape[-1]))
                   for lg, g in zip(logits, goals)]
         loss = sum(w * loss_k for w, loss_k in zip(weights, losses))
         elapsed = time.time() - start
@@ -304,8 +385,8 @@ def main() -> None:
         "preset": {"name": out.name, "target": Path(args.target).name, "hidden_size": cfg["hidden_size"],
                    "intermediate_size": cfg["intermediate_size"], "feature_layers": list(layers),
                    "draft_vocab_size": cfg["draft_vocab_size"], "seq_len": s, "batch_size": args.batch_size,
-                   "unroll": u, "step_weights": weights, "lr": args.lr, "warmup_steps": args.warmup,
-                   "time_budget_s": args.time_budget, "seed": args.seed, "threads": args.threads,
+                   "unroll": u, "step_weights": weights, "lr": args.lr, "bf16_autocast": args.bf16, "warmup_steps": args.warmup,
+                   "time_budget_s": args.time_budget, "seed": args.seed, "init": args.init, "threads": args.threads,
                    "loss": "soft cross-entropy against the target's next-token distribution (distillation)",
                    "frozen": "lm_head (the target's tied embedding), norm (the target's final norm), embedding"},
         "corpus": corpus, "trainable_params": trainable, "steps": step, "train_time_s": train_s,

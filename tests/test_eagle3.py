@@ -37,6 +37,30 @@ def target(tmp_path_factory):
     return engine, model
 
 
+def graph_test_engine(root: Path, device: str = "cpu") -> Path:
+    """The device drafters' tests' target: a tiny random Llama in float32, batches of 8, KV blocks of 4 tokens
+    (so that chains and trees cross blocks)."""
+    from kiln.builder.build import build_engine
+    from kiln.builder.build_config import BuildConfig
+
+    checkpoint, _ = make_checkpoint(root / "ckpt", num_hidden_layers=LAYERS, max_position_embeddings=512)
+    return build_engine(checkpoint, root / "engine", BuildConfig(device=device, dtype="float32", max_batch_size=8,
+                                                                 max_num_tokens=64, kv_block_size=4), progress=False)
+
+
+def cuda_greedy_case(tmp_path: Path):
+    """The GPU tests' case: (engine built for CUDA with graphs, a random head in the published layout, prompts,
+    greedy params, the tokens decoding gives without speculation)."""
+    engine = graph_test_engine(tmp_path, "cuda")
+    head, _ = write_head(tmp_path / "head")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, VOCAB, (3 + 7 * i,), generator=g).tolist() for i in range(6)]
+    params = [SamplingParams(max_tokens=20 + i, temperature=0, ignore_eos=True) for i in range(6)]
+    with LLM(engine) as llm:
+        reference = [o.token_ids for o in llm.generate(prompts, params)]
+    return engine, head, prompts, params, reference
+
+
 def assert_everything_back(llm) -> dict:
     """After a run with preemptions and prefix-cache hits: every target and head KV block free, the head's
     per-request state gone, drafts made. Returns the speculation stats."""

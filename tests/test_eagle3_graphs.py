@@ -10,8 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_factory import make_checkpoint
-from test_eagle3 import LAYERS, VOCAB, write_head
+from test_eagle3 import VOCAB, cuda_greedy_case, graph_test_engine, write_head
 
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.sampling.sampler import SamplingRow
@@ -30,13 +29,7 @@ K = 6  # five chain steps after the first draft; KV blocks of 4 tokens, so every
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from kiln.builder.build import build_engine
-    from kiln.builder.build_config import BuildConfig
-
-    root = tmp_path_factory.mktemp("eagle3-graphs")
-    checkpoint, _ = make_checkpoint(root / "ckpt", num_hidden_layers=LAYERS, max_position_embeddings=512)
-    return build_engine(checkpoint, root / "engine", BuildConfig(dtype="float32", max_batch_size=8, max_num_tokens=64,
-                                                                 kv_block_size=4), progress=False)
+    return graph_test_engine(tmp_path_factory.mktemp("eagle3-graphs"))
 
 
 @pytest.fixture(scope="module")
@@ -278,19 +271,7 @@ def test_the_argmax_over_the_draft_vocabulary_is_the_target_vocabularys(llm):
 def test_cuda_captured_chains_keep_greedy_output(tmp_path):
     """On CUDA with graphs: greedy output equals decoding without speculation, and the chain and whole-proposal
     graphs replay."""
-    from kiln.builder.build import build_engine
-    from kiln.builder.build_config import BuildConfig
-
-    checkpoint, _ = make_checkpoint(tmp_path / "ckpt", num_hidden_layers=LAYERS, max_position_embeddings=512)
-    engine = build_engine(checkpoint, tmp_path / "gpu", BuildConfig(device="cuda", dtype="float32", max_batch_size=8,
-                                                                    max_num_tokens=64, kv_block_size=4),
-                          progress=False)
-    head, _ = write_head(tmp_path / "head")
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(2, VOCAB, (3 + 7 * i,), generator=g).tolist() for i in range(6)]
-    params = [SamplingParams(max_tokens=20 + i, temperature=0, ignore_eos=True) for i in range(6)]
-    with LLM(engine) as llm:
-        reference = [o.token_ids for o in llm.generate(prompts, params)]
+    engine, head, prompts, params, reference = cuda_greedy_case(tmp_path)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
     with LLM(engine, speculative_config=spec) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == reference

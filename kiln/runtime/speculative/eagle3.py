@@ -17,7 +17,9 @@ worse, never wrong. Steps that capture features run eagerly (no CUDA graphs), as
 
 The head's own steps run eagerly too, a host sync after each draft, except for greedy chains: the draft steps
 after the catch-up of the requests whose draft is the plain argmax run on the device with no sync between them,
-captured in CUDA graphs on CUDA (`eagle3_graphs.py`, `self.chain`).
+captured in CUDA graphs on CUDA (`eagle3_graphs.py`, `self.chain`), and trees: after the catch-up's root
+expansion, a tree's rounds run on the device too, one read-back a proposal (`eagle3_tree_graphs.py`,
+`self.tree_graphs`); trees it cannot take grow a round at a time (`eagle3_tree.grow`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kiln.runtime.speculative.eagle3_graphs import ChainDraftGraphs, chain_for, 
 from kiln.runtime.speculative.eagle3_head import Eagle3Head, load_head
 from kiln.runtime.speculative.eagle3_proposal_graphs import ProposalGraphs, draft_proposals, proposals_for
 from kiln.runtime.speculative.eagle3_tree import HeadTree, grow, new_tree
+from kiln.runtime.speculative.eagle3_tree_graphs import TreeDraftGraphs, grow_trees, trees_for
 from kiln.runtime.speculative.proposer import DraftRequest, Proposal
 from kiln.runtime.speculative.target_embedding import full_target_embedding
 from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
@@ -88,6 +91,7 @@ class Eagle3Proposer:
         self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self.chain: ChainDraftGraphs | None = None  # greedy chain drafts on the device (eagle3_graphs.py)
         self.proposals: ProposalGraphs | None = None  # ... with the catch-up too (eagle3_proposal_graphs.py)
+        self.tree_graphs: TreeDraftGraphs | None = None  # tree rounds on the device (eagle3_tree_graphs.py)
 
     @classmethod
     def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor,
@@ -126,6 +130,9 @@ class Eagle3Proposer:
             proposer.chain = chain_for(head, proposer.cache.layers, runtime, config.num_speculative_tokens - 1)
             proposer.proposals = proposals_for(proposer.chain, runtime, config.num_speculative_tokens,
                                                proposer.num_features)
+        elif config is not None:
+            proposer.tree_graphs = trees_for(head, proposer.cache.layers, runtime, topk,
+                                             config.num_speculative_tokens - 1)
         try:
             target_executor.capture_hidden(layers, proposer.observe)
         except ValueError as e:
@@ -151,6 +158,8 @@ class Eagle3Proposer:
         if self.topk > 1:  # tree drafts
             self._trees = {w.request.request_id: new_tree(self, w) for w in work}
             self._catch_up(work)
+            if self.tree_graphs is not None:  # the trees it can take, whole; the rest grow a round at a time
+                grow_trees(self.tree_graphs, self.blocks.block_table, self._trees, work)
             while growing := [w for w in work if self._trees[w.request.request_id].search.frontier]:
                 grow(self, self._trees, growing)
             trees, self._trees = self._trees, {}
@@ -189,6 +198,8 @@ class Eagle3Proposer:
             self.proposals.release()
         if self.chain is not None:
             self.chain.release()
+        if self.tree_graphs is not None:
+            self.tree_graphs.release()
 
     # ---- one proposal --------------------------------------------------------------------------
     def _start(self, request: DraftRequest) -> _Drafting | None:

@@ -95,7 +95,42 @@ def _draft_steps(head: Eagle3Head, kv_caches: tuple[LayerCache, ...], ints: torc
     return drafts[:size, :steps]
 
 
-class ChainDraftGraphs:
+class HeadDraftGraphs:
+    """What the head's device drafters (chains here, trees in eagle3_tree_graphs.py) share: a graph per batch size
+    over static buffers (`_inputs`, whose "ints" row `_PROMPT_ROW` holds prompt lengths, and `_hidden`), captured
+    with padding rows only, replayed by the smallest size that holds a batch. A subclass sets those, `head`,
+    `steps`, `sizes`, `device`, `_graphs`, `_outputs`, and `_steps(size, steps)`."""
+
+    _PROMPT_ROW = _PROMPT
+
+    def fits_rope(self, position: int, prompt_len: int) -> bool:
+        """Whether a row whose last step computes `position` needs only the head's fixed rope tables."""
+        rotary = self.head.rotary
+        return rotary is not None and not rotary.needs_per_length_tables(rope_length(position, prompt_len))
+
+    def _steps(self, size: int, steps: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> float:
+        """Captures every size into `pool` (None: a new one), with padding rows only (nothing written); returns
+        seconds."""
+        started = time.perf_counter()
+        for buffer in self._inputs.buffers.values():
+            buffer.zero_()
+        self._inputs.buffers["ints"][self._PROMPT_ROW].fill_(1)  # rope lengths of at least 1
+        self._hidden.zero_()
+        capture_sizes_into(self.sizes, lambda size: self._steps(size, self.steps), pool, self._graphs,
+                           self._outputs)
+        return time.perf_counter() - started
+
+    def release(self) -> None:
+        """Destroys the captured graphs (later batches run eagerly)."""
+        release_graphs(self._graphs, self.device)
+        self._outputs.clear()
+
+
+class ChainDraftGraphs(HeadDraftGraphs):
     """Greedy chain drafts of `steps` (the engine's K - 1) head steps for batches of up to `max_batch_size` rows;
     `capture()` (CUDA only) captures them per batch size, else `draft` runs them eagerly. `replays` counts the
     graphs replayed."""
@@ -124,33 +159,10 @@ class ChainDraftGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
 
-    def fits_rope(self, position: int, prompt_len: int) -> bool:
-        """Whether a row whose last step computes `position` needs only the head's fixed rope tables."""
-        rotary = self.head.rotary
-        return rotary is not None and not rotary.needs_per_length_tables(rope_length(position, prompt_len))
-
     def _steps(self, size: int, steps: int) -> torch.Tensor:
         return _draft_steps(self.head, self.kv_caches, self._ints, self._tables, self._hidden, self._drafts,
                             self._query_start_loc, size=size, steps=steps, block_size=self.block_size,
                             in_draft_order=self._in_draft_order)
-
-    @torch.inference_mode()
-    def capture(self, pool=None) -> float:
-        """Captures every size into `pool` (None: a new one), with padding rows only (nothing written); returns
-        seconds."""
-        started = time.perf_counter()
-        self._ints.zero_()
-        self._ints[_PROMPT].fill_(1)
-        self._tables.zero_()
-        self._hidden.zero_()
-        capture_sizes_into(self.sizes, lambda size: self._steps(size, self.steps), pool, self._graphs,
-                           self._outputs)
-        return time.perf_counter() - started
-
-    def release(self) -> None:
-        """Destroys the captured graphs (later batches run eagerly)."""
-        release_graphs(self._graphs, self.device)
-        self._outputs.clear()
 
     @torch.inference_mode()
     def draft(self, first: Sequence[int], hidden: torch.Tensor, positions: Sequence[int],

@@ -6,6 +6,10 @@ one depth) to the head in one step: a node at depth d reads its token at head po
 prenorm state of the row that predicted it, and attends to the head's context, its fed ancestors and itself
 (a tree mask, as the target's verify step). The fed nodes take the head's keys after N-2 in feeding order;
 the next proposal computes those positions again from the request's own tokens.
+
+This is the eager path, a head step and a host read-back a round. Trees whose root expansion gave topk
+children (every one, in practice) grow on the device instead (`eagle3_tree_graphs.py`: the same rounds, keys
+and masks, TreeSearch's choices exactly, captured in CUDA graphs, one read-back a proposal); the rest come here.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from kiln.model_defs.layers import ForwardContext
 from kiln.plugins.tree_mask import tree_bits
 from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS
 from kiln.runtime.speculative.eagle3_graphs import MAX_GRAPH_BATCH, HeadDraftGraphs
-from kiln.runtime.speculative.tree import _Node
+from kiln.runtime.speculative.tree import TreeNode
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
 from kiln.runtime.worker.cuda_graphs import capture_sizes
 from kiln.runtime.worker.graph_inputs import GraphInputs
@@ -222,7 +222,7 @@ def grow_trees(graphs: TreeDraftGraphs, block_table, trees: dict, work: list) ->
     for (tree, _, _), nodes in zip(mine, new):
         search = tree.search
         for i, (token, parent, score) in enumerate(nodes):
-            search.nodes.append(_Node(token, parent, 2 + i // (k * k), score))
+            search.nodes.append(TreeNode(token, parent, 2 + i // (k * k), score))
         search.frontier = []
 
 

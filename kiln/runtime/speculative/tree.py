@@ -93,7 +93,9 @@ def sequential_rule(p: torch.Tensor, children: Sequence[int], uniforms: torch.Te
 
 
 @dataclass
-class _Node:
+class TreeNode:
+    """One node of a TreeSearch (also made by the device rounds, eagle3_tree_graphs.py, from their pool)."""
+
     token: int
     parent: int  # index into TreeSearch.nodes, -1: the root
     depth: int
@@ -110,7 +112,7 @@ class TreeSearch:
     topk: int
     max_depth: int
     max_nodes: int
-    nodes: list[_Node] = field(default_factory=list)
+    nodes: list[TreeNode] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)  # node indices to feed to the head next
 
     def expand(self, parents: Sequence[int], logprobs: torch.Tensor) -> None:
@@ -124,7 +126,7 @@ class TreeSearch:
             for v, t in zip(values[row].tolist(), tokens[row].tolist()):
                 if v == float("-inf"):  # outside the draft vocabulary
                     continue
-                self.nodes.append(_Node(t, parent, depth, base + v))
+                self.nodes.append(TreeNode(t, parent, depth, base + v))
                 added.append(len(self.nodes) - 1)
         best = heapq.nlargest(self.topk, added, key=lambda i: (self.nodes[i].score, -i))
         self.frontier = sorted(best) if added and self.nodes[added[0]].depth < self.max_depth else []

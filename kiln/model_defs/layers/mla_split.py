@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from kiln.plugins.host_tensors import to_device
 from kiln.plugins.step_plan import StepPlan, step_plan
 
 # A sequence with at least this many query tokens in the step is computed in the explicit form. The explicit
@@ -27,14 +28,6 @@ from kiln.plugins.step_plan import StepPlan, step_plan
 # up-projected keys' memory is not worth spending. The crossover depends on the GPU and the prefix length;
 # 32 keeps decode, speculative verify rows and short chunks absorbed.
 EXPLICIT_MIN_QUERY = 32
-
-
-def _host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small tensor from host ints; on CUDA through pinned memory and a non-blocking copy (no wait for the
-    GPU work queued before it)."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -55,14 +48,14 @@ class AbsorbedSubset:
                  block_size: int) -> None:
         device = seq_lens.device
         rows = [r for s in sequences for r in range(starts[s], starts[s + 1])]
-        self.rows = _host_to_device(rows, torch.int64, device)  # [Ta]: their rows in the packed batch
-        index = _host_to_device(sequences, torch.int64, device)  # [Sa]
+        self.rows = to_device(rows, torch.int64, device)  # [Ta]: their rows in the packed batch
+        index = to_device(sequences, torch.int64, device)  # [Sa]
         self.block_tables = block_tables.index_select(0, index)  # [Sa, max_blocks] int32
         self.seq_lens = seq_lens.index_select(0, index)  # [Sa] int32
         loc = [0]
         for s in sequences:
             loc.append(loc[-1] + query_lens[s])
-        self.query_start_loc = _host_to_device(loc, torch.int32, device)  # [Sa + 1]
+        self.query_start_loc = to_device(loc, torch.int32, device)  # [Sa + 1]
         self._slot_mapping = slot_mapping
         self._block_size = block_size
 

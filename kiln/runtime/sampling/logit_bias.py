@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kiln.runtime.sampling.host_tensors import to_device
+from kiln.plugins.host_tensors import to_device
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence) -> torch.Tensor:

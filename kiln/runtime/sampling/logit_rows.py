@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.sampling.host_tensors import to_device
+from kiln.plugins.host_tensors import to_device
 
 
 @dataclass(frozen=True)

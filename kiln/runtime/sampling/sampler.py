@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.plugins.host_tensors import to_device
 from kiln.runtime.core.sampling_params import SamplingParams
-from kiln.runtime.sampling.host_tensors import to_device
 from kiln.runtime.sampling.logit_bias import apply_logit_bias
 from kiln.runtime.speculative.rejection import CheckedDrafts, DraftRows, rejection_rule
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from kiln.model_defs.layers import ForwardContext
+from kiln.plugins.host_tensors import array_to_device, to_device
 from kiln.runtime.core.scheduler import SchedulerOutput
-from kiln.runtime.sampling.host_tensors import array_to_device, to_device
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
 from kiln.runtime.worker.kv_cache import LayerCache, LayerScales
 from kiln.runtime.worker.model_step import TokenFeed

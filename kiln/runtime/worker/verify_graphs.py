@@ -32,9 +32,9 @@ import torch
 
 from kiln.model_defs import CausalLM
 from kiln.model_defs.layers import ForwardContext
+from kiln.plugins.host_tensors import to_device
 from kiln.plugins.tree_mask import TREE_SPAN
 from kiln.runtime.core.scheduler import SchedulerOutput
-from kiln.runtime.sampling.host_tensors import to_device
 from kiln.runtime.worker.block_table_mirror import BlockTableMirror
 from kiln.runtime.worker.cuda_graphs import capture_sizes
 from kiln.runtime.worker.graph_inputs import GraphInputs, OutputBuffer, capture_sizes_into, release_graphs

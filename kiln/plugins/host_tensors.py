@@ -1,4 +1,5 @@
-"""Small per-step tensors built from Python data on the host (step inputs, sampling parameters)."""
+"""Small per-step tensors built from Python data on the host (step inputs, sampling parameters, the MLA split),
+here at the bottom so that the runtime and the model layers share one pinned, non-blocking copy."""
 
 from __future__ import annotations
 

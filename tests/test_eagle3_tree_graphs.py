@@ -2,8 +2,8 @@
 (`_tree_steps`, eager) give exactly the trees (tokens, parents) and head keys of the eager rounds (eagle3_tree.grow
 + TreeSearch.result) for requests of different lengths, depths up to 5 and budgets of 8 and 16 nodes, at topk 2
 and 4, across KV block boundaries; padding rows (what a captured graph of a larger size adds) change nothing;
-greedy output with the device trees equals decoding without speculation, every head block back. On CUDA: the
-same with the captured graphs replayed."""
+greedy output with the device trees (and whole tree proposals, eagle3_tree_proposals) equals decoding without
+speculation, every head block back. On CUDA: the same with the captured graphs replayed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_eagle3 import VOCAB, cuda_greedy_case, graph_test_engine, write_head
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.sampling.sampler import SamplingRow
 from kiln.runtime.speculative.eagle3_tree_graphs import TreeDraftGraphs, best_k
+from kiln.runtime.speculative.eagle3_tree_proposals import TreeProposalGraphs
 from kiln.runtime.speculative.proposer import DraftRequest
 from kiln.runtime.worker.step_inputs import slots_of
 
@@ -71,11 +72,13 @@ def _propose(proposer, requests, graphs):
     for r in requests:
         proposer.release(r.request_id)
     proposer.cache.storage.zero_()
+    # The rounds alone here: whole proposals on the device (eagle3_tree_proposals) have their own tests.
     kept, proposer.tree_graphs = proposer.tree_graphs, graphs
+    kept_proposals, proposer.tree_proposals = proposer.tree_proposals, None
     try:
         proposals = proposer.propose(requests)
     finally:
-        proposer.tree_graphs = kept
+        proposer.tree_graphs, proposer.tree_proposals = kept, kept_proposals
     flat = proposer.cache.storage.flatten(2, 3)  # [layers, 2, slots, Hk, D]
     written = torch.zeros(flat.shape[2], dtype=torch.bool)
     kv = {}
@@ -173,12 +176,14 @@ def test_greedy_output_with_device_trees_is_identical_to_decoding_without_specul
     with LLM(engine) as plain:
         reference = [o.token_ids for o in plain.generate(prompts, params)]
     proposer = llm.engine.speculator.proposer
-    rows = _counting(proposer.tree_graphs)
+    rows, whole = _counting(proposer.tree_graphs), []  # the rounds alone, and whole proposals
+    graphs = proposer.tree_proposals
+    graphs.propose = lambda batch: whole.append(len(batch)) or TreeProposalGraphs.propose(graphs, batch)
     try:
         assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     finally:
-        del proposer.tree_graphs.grow
-    assert sum(rows) > 0 and llm.speculation_stats()["num_drafts"] > 0
+        del proposer.tree_graphs.grow, graphs.propose
+    assert sum(rows) > 0 and sum(whole) > 0 and llm.speculation_stats()["num_drafts"] > 0
     kv = llm.kv_cache_stats()
     assert kv["free_blocks"] == kv["total_blocks"]
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
@@ -196,7 +201,7 @@ def test_cuda_captured_trees_keep_greedy_output(tmp_path, topk, nodes):
     with LLM(engine, speculative_config=spec) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == reference
         proposer = llm.engine.speculator.proposer
-        graphs = proposer.tree_graphs
-        assert graphs._graphs and graphs.replays > 0
+        graphs, whole = proposer.tree_graphs, proposer.tree_proposals  # first proposals, then whole ones
+        assert graphs._graphs and graphs.replays > 0 and whole._graphs and whole.replays > 0
         assert llm.speculation_stats()["num_drafts"] > 0
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks

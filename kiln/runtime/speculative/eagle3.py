@@ -19,7 +19,9 @@ The head's own steps run eagerly too, a host sync after each draft, except for g
 after the catch-up of the requests whose draft is the plain argmax run on the device with no sync between them,
 captured in CUDA graphs on CUDA (`eagle3_graphs.py`, `self.chain`), and trees: after the catch-up's root
 expansion, a tree's rounds run on the device too, one read-back a proposal (`eagle3_tree_graphs.py`,
-`self.tree_graphs`); trees it cannot take grow a round at a time (`eagle3_tree.grow`).
+`self.tree_graphs`); trees it cannot take grow a round at a time (`eagle3_tree.grow`). A greedy chain's
+catch-up of up to K + 1 positions joins its draft steps in one graph (`eagle3_proposal_graphs.py`), as a tree's
+joins its root expansion and rounds (`eagle3_tree_proposals.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from kiln.runtime.speculative.eagle3_head import Eagle3Head, load_head
 from kiln.runtime.speculative.eagle3_proposal_graphs import ProposalGraphs, draft_proposals, proposals_for
 from kiln.runtime.speculative.eagle3_tree import HeadTree, grow, new_tree
 from kiln.runtime.speculative.eagle3_tree_graphs import TreeDraftGraphs, grow_trees, trees_for
+from kiln.runtime.speculative.eagle3_tree_proposals import (
+    TreeProposalGraphs,
+    propose_trees,
+    tree_proposals_for,
+)
 from kiln.runtime.speculative.proposer import DraftRequest, Proposal
 from kiln.runtime.speculative.target_embedding import full_target_embedding
 from kiln.runtime.worker.engine_loader import EngineInfo, RuntimeConfig
@@ -92,6 +99,7 @@ class Eagle3Proposer:
         self.chain: ChainDraftGraphs | None = None  # greedy chain drafts on the device (eagle3_graphs.py)
         self.proposals: ProposalGraphs | None = None  # ... with the catch-up too (eagle3_proposal_graphs.py)
         self.tree_graphs: TreeDraftGraphs | None = None  # tree rounds on the device (eagle3_tree_graphs.py)
+        self.tree_proposals: TreeProposalGraphs | None = None  # ... with the catch-up too (eagle3_tree_proposals.py)
 
     @classmethod
     def load(cls, head_dir: str, target: EngineInfo, runtime: RuntimeConfig, target_executor,
@@ -133,6 +141,8 @@ class Eagle3Proposer:
         elif config is not None:
             proposer.tree_graphs = trees_for(head, proposer.cache.layers, runtime, topk,
                                              config.num_speculative_tokens - 1)
+            proposer.tree_proposals = tree_proposals_for(proposer.tree_graphs, runtime,
+                                                         config.num_speculative_tokens, proposer.num_features)
         try:
             target_executor.capture_hidden(layers, proposer.observe)
         except ValueError as e:
@@ -157,9 +167,13 @@ class Eagle3Proposer:
             return {}
         if self.topk > 1:  # tree drafts
             self._trees = {w.request.request_id: new_tree(self, w) for w in work}
-            self._catch_up(work)
-            if self.tree_graphs is not None:  # the trees it can take, whole; the rest grow a round at a time
-                grow_trees(self.tree_graphs, self.blocks.block_table, self._trees, work)
+            # Whole proposals on the device where they can; the rest: catch-up, then rounds on the device where
+            # they can, else a round at a time.
+            work_left = (work if self.tree_proposals is None
+                         else propose_trees(self.tree_proposals, self.blocks.block_table, self._trees, work))
+            self._catch_up(work_left)
+            if self.tree_graphs is not None:
+                grow_trees(self.tree_graphs, self.blocks.block_table, self._trees, work_left)
             while growing := [w for w in work if self._trees[w.request.request_id].search.frontier]:
                 grow(self, self._trees, growing)
             trees, self._trees = self._trees, {}
@@ -198,6 +212,8 @@ class Eagle3Proposer:
             self.proposals.release()
         if self.chain is not None:
             self.chain.release()
+        if self.tree_proposals is not None:
+            self.tree_proposals.release()
         if self.tree_graphs is not None:
             self.tree_graphs.release()
 

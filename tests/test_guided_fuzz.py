@@ -207,8 +207,10 @@ def test_an_invalid_constraint_is_refused_fast_while_a_slow_one_compiles(warm_zy
         start = time.perf_counter()
         with pytest.raises(GrammarError):
             compiler.compile(bad)
-        # 2 ms unloaded, the slow one 1.9 s: 1 s still shows it did not wait (0.8 s seen on 2 loaded cores)
-        assert time.perf_counter() - start < 1.0
+        # It did not wait for the slow one (1.9 s unloaded; a refusal takes 2 ms): that one is still compiling, or,
+        # where a loaded machine let it finish meanwhile, the refusal took well under its time (0.8-1.02 s seen on
+        # 2 loaded cores).
+        assert slow.is_alive() or time.perf_counter() - start < 1.0
     slow.join(60)
     assert outcome and outcome[0] is not None
     compiler.close()

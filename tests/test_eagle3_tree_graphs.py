@@ -28,12 +28,18 @@ def engine(tmp_path_factory):
     return graph_test_engine(tmp_path_factory.mktemp("eagle3-tree-graphs"))
 
 
+def tree_llm(engine, root, topk: int) -> LLM:
+    """An LLM over `engine` drafting trees of depth K and 16 nodes, `topk` children a node, with a random head
+    written under `root` (also test_eagle3_tree_proposals')."""
+    head, _ = write_head(root / "head")
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "eagle_topk": topk,
+            "num_draft_tokens": 16}
+    return LLM(engine, speculative_config=spec)
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def llm(engine, tmp_path_factory, request):
-    head, _ = write_head(tmp_path_factory.mktemp("eagle3-tree-graphs-head") / "head")
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "eagle_topk": request.param,
-            "num_draft_tokens": 16}
-    with LLM(engine, speculative_config=spec) as llm:
+    with tree_llm(engine, tmp_path_factory.mktemp("eagle3-tree-graphs-head"), request.param) as llm:
         yield llm
 
 
@@ -79,6 +85,13 @@ def _propose(proposer, requests, graphs):
         proposals = proposer.propose(requests)
     finally:
         proposer.tree_graphs, proposer.tree_proposals = kept, kept_proposals
+    return trees_and_keys(proposer, requests, proposals)
+
+
+def trees_and_keys(proposer, requests, proposals) -> tuple[dict, dict]:
+    """The proposals' trees (request id -> (tokens, parents)) and each request's head keys and values (request id
+    -> [layers, 2, keys, Hk, D] over every key its proposal may write); checks that no other slot was written and
+    releases the requests."""
     flat = proposer.cache.storage.flatten(2, 3)  # [layers, 2, slots, Hk, D]
     written = torch.zeros(flat.shape[2], dtype=torch.bool)
     kv = {}
@@ -92,7 +105,7 @@ def _propose(proposer, requests, graphs):
     return {k: (p.token_ids, p.parents) for k, p in proposals.items()}, kv
 
 
-def _assert_same_kv(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def assert_same_kv(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for request_id in a:
         torch.testing.assert_close(a[request_id], b[request_id], atol=1e-5, rtol=1e-5)
@@ -121,7 +134,7 @@ def test_device_rounds_give_the_eager_trees_and_keys(llm):
     assert [len(eager[r.request_id][0]) for r in requests] == [min(r.max_nodes, k + (r.max_tokens - 1) * k * k)
                                                                for r in requests]
     assert any(len(set(parents)) > 2 for _, parents in eager.values())  # real trees, not chains
-    _assert_same_kv(grown_cache, eager_cache)
+    assert_same_kv(grown_cache, eager_cache)
 
 
 class _EagerGraph:
@@ -150,7 +163,7 @@ def test_padding_rows_change_nothing(llm):
     finally:
         graphs._graphs, graphs._outputs, graphs.replays = {}, {}, 0
     assert padded == eager
-    _assert_same_kv(padded_cache, eager_cache)
+    assert_same_kv(padded_cache, eager_cache)
 
 
 def test_rows_the_device_cannot_take_keep_the_eager_rounds(llm, monkeypatch):

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eagle3 import VOCAB, graph_test_engine, write_head
+from test_eagle3 import VOCAB, graph_test_engine
+from test_eagle3_tree_graphs import K, assert_same_kv, tree_llm, trees_and_keys
 
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import SamplingParams
 from kiln.runtime.sampling.sampler import SamplingRow
 from kiln.runtime.speculative.eagle3_tree_proposals import TreeProposalGraphs
 from kiln.runtime.speculative.proposer import DraftRequest
-from kiln.runtime.worker.step_inputs import slots_of
 
-K = 5  # trees of depth up to 5; catch-ups of up to K + 1 = 6 positions; KV blocks of 4 tokens
+# Trees of depth up to K = 5; catch-ups of up to K + 1 = 6 positions; KV blocks of 4 tokens.
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[2, 4])
 def llm(engine, tmp_path_factory, request):
-    head, _ = write_head(tmp_path_factory.mktemp("eagle3-tree-proposals-head") / "head")
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "eagle_topk": request.param,
-            "num_draft_tokens": 16}
-    with LLM(engine, speculative_config=spec) as llm:
+    with tree_llm(engine, tmp_path_factory.mktemp("eagle3-tree-proposals-head"), request.param) as llm:
         yield llm
 
 
@@ -74,23 +71,8 @@ def _rounds(proposer, graphs: TreeProposalGraphs | None) -> tuple[dict, dict, li
         proposer.tree_proposals = kept
         if graphs is not None:
             del graphs.propose
-    flat = proposer.cache.storage.flatten(2, 3)  # [layers, 2, slots, Hk, D]
-    written = torch.zeros(flat.shape[2], dtype=torch.bool)
-    kv = {}
-    for r in later:
-        n = len(r.token_ids) - 1 + (r.max_tokens - 1) * proposer.topk  # own positions, then the fed nodes
-        slots = torch.tensor(slots_of(proposer.blocks.block_table(r.request_id), 0, n, proposer.runtime.block_size))
-        kv[r.request_id] = flat[:, :, slots].clone()
-        written[slots] = True
-        proposer.release(r.request_id)
-    assert not flat[:, :, ~written].any()
-    return {k: (p.token_ids, p.parents) for k, p in proposals.items()}, kv, rows
-
-
-def _assert_same_kv(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for request_id in a:
-        torch.testing.assert_close(a[request_id], b[request_id], atol=1e-5, rtol=1e-5)
+    trees, kv = trees_and_keys(proposer, later, proposals)
+    return trees, kv, rows
 
 
 def test_whole_proposals_give_the_eager_trees_and_keys(llm):
@@ -104,7 +86,7 @@ def test_whole_proposals_give_the_eager_trees_and_keys(llm):
     assert rows == [3, 6]
     assert whole == eager
     assert any(len(set(parents)) > 2 for _, parents in eager.values())  # real trees, not chains
-    _assert_same_kv(whole_kv, eager_kv)
+    assert_same_kv(whole_kv, eager_kv)
 
 
 class _EagerGraph:
@@ -131,7 +113,7 @@ def test_padding_rows_change_nothing(llm):
     finally:
         graphs._graphs, graphs._outputs, graphs.replays = {}, {}, 0
     assert padded == eager
-    _assert_same_kv(padded_kv, eager_kv)
+    assert_same_kv(padded_kv, eager_kv)
 
 
 def test_rows_whose_rope_needs_per_length_tables_keep_the_other_path(llm, monkeypatch):

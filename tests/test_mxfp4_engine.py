@@ -224,6 +224,7 @@ def test_reference_equals_the_float_reference_on_dequantized_weights():
 _INTERPRETED_CHECKS = """
 import torch
 from kiln.plugins.mxfp4_moe import fused_moe_mxfp4_reference
+from kiln.plugins import triton_mxfp4_moe
 from kiln.plugins.triton_mxfp4_moe import fused_moe_mxfp4_triton
 
 gen = torch.Generator().manual_seed(0)
@@ -239,18 +240,62 @@ def check(tokens, experts, top_k, hidden, inter, dtype, bias, limit, tol):
     want, got = fused_moe_mxfp4_reference(*args), fused_moe_mxfp4_triton(*args)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol,
-                               msg=lambda m: f"T={{tokens}} E={{experts}} {{dtype}} bias={{bias}}: {{m}}")
+                               msg=lambda m: f"{{KERNELS}} T={{tokens}} E={{experts}} {{dtype}} bias={{bias}}: {{m}}")
 
 
 # GPT-OSS's block (biases, clamped SwiGLU) at decode and prefill sizes (BLOCK_M 16 and 64), float32 and float16;
-# plain SwiGLU without biases; intermediate sizes that leave a partial BLOCK_N and BLOCK_K tile.
-check(1, 4, 2, 64, 64, torch.float32, True, 1.0, 1e-4)
-check(7, 4, 2, 96, 32, torch.float32, True, 1.0, 1e-4)
-check(40, 4, 2, 64, 96, torch.float32, True, 1.0, 1e-4)
-check(5, 8, 4, 64, 64, torch.float16, True, 1.0, 2e-2)
-check(6, 4, 2, 64, 32, torch.float32, False, 0.0, 1e-4)
+# plain SwiGLU without biases; intermediate sizes that leave a partial BLOCK_N and BLOCK_K tile; both kernel sets
+# (the pairs kernels at a small tile and at their default one, whose BLOCK_K runs past 160 inputs).
+for KERNELS, launch in (("tiles", None), ("pairs", dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3))):
+    triton_mxfp4_moe.KERNELS = KERNELS
+    triton_mxfp4_moe.PAIRS_LAUNCH = launch or triton_mxfp4_moe.PAIRS_LAUNCH
+    check(1, 4, 2, 64, 64, torch.float32, True, 1.0, 1e-4)
+    check(7, 4, 2, 96, 32, torch.float32, True, 1.0, 1e-4)
+    check(40, 4, 2, 64, 96, torch.float32, True, 1.0, 1e-4)
+    check(5, 8, 4, 64, 64, torch.float16, True, 1.0, 2e-2)
+    check(6, 4, 2, 64, 32, torch.float32, False, 0.0, 1e-4)
+triton_mxfp4_moe.PAIRS_LAUNCH = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+check(3, 4, 2, 160, 96, torch.float32, True, 1.0, 1e-4)
 print("ok")
 """
+
+
+_DECODE_CHECK = """
+import torch
+import triton
+import triton.language as tl
+from kiln.plugins.mxfp4 import dequantize_mxfp4
+from kiln.plugins.triton_mxfp4_pairs import _e2m1_times_scale
+
+
+@triton.jit
+def decode(codes_ptr, scales_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    code = tl.load(codes_ptr + i).to(tl.int32)
+    s = tl.load(scales_ptr + i).to(tl.int32)
+    tl.store(out_ptr + i, _e2m1_times_scale(code, (s - 1) << 23))
+
+
+# Every code at every scale the bits trick is exact for (2 .. 252): 16 x 251 values, as the reference decodes them.
+scales = torch.arange(2, 253, dtype=torch.uint8).repeat_interleave(16)  # [4016]
+codes = torch.arange(16, dtype=torch.uint8).repeat(251)
+out = torch.empty(4096, dtype=torch.float32)
+decode[(1,)](torch.cat([codes, torch.zeros(80, dtype=torch.uint8)]),
+             torch.cat([scales, torch.full((80,), 127, dtype=torch.uint8)]), out, N=4096)
+pairs = torch.arange(0, 16, 2, dtype=torch.uint8) | (torch.arange(1, 16, 2, dtype=torch.uint8) << 4)  # [8]
+blocks = pairs.repeat(2).repeat(251, 1)  # [251, 16]: a block a scale, codes 0..15 twice
+want = dequantize_mxfp4(blocks, scales.view(-1, 16)[:, 0].contiguous())  # [251 * 32]
+want = want.view(251, 2, 16)[:, 0].reshape(-1)  # the first 16 of each block: codes 0..15
+assert torch.equal(out[:4016], want), (out[:4016] - want).abs().max()
+print("ok")
+"""
+
+
+@needs_triton
+def test_pairs_decode_is_exact_for_every_code_and_scale_interpreted():
+    """triton_mxfp4_pairs decodes E2M1 x E8M0 in float32 bits: equal to the reference's product for every code
+    and every scale in [2 ** -125, 2 ** 125]."""
+    assert "ok" in run_interpreted(_DECODE_CHECK)
 
 
 @needs_triton
@@ -261,12 +306,15 @@ def test_mxfp4_kernel_matches_reference_interpreted():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and USE_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("kernels", ["tiles", "pairs"])
 @pytest.mark.parametrize("tokens", [1, 8, 256])
-def test_mxfp4_kernel_matches_reference_at_gpt_oss_20b_shapes_cuda(tokens):
+def test_mxfp4_kernel_matches_reference_at_gpt_oss_20b_shapes_cuda(tokens, kernels, monkeypatch):
     """GPT-OSS-20B's experts (32 of hidden 2880 and intermediate 2880, top 4, biases, limit 7) in bfloat16: the
-    kernel against the dequantizing reference, and against the float MoE kernel on the dequantized weights
+    kernels against the dequantizing reference, and against the float MoE kernel on the dequantized weights
     (the same GEMM operands, so only the order of float32 sums may differ)."""
-    from kiln.plugins import fused_moe
+    from kiln.plugins import fused_moe, triton_mxfp4_moe
+
+    monkeypatch.setattr(triton_mxfp4_moe, "KERNELS", kernels)
 
     gen = torch.Generator().manual_seed(0)
     experts, hidden, inter, top_k = 32, 2880, 2880, 4

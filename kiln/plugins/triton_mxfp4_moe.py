@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_moe import _down_epilogue, _gate_up_epilogue, plan_experts
+from .triton_mxfp4_pairs import pairs_down_kernel, pairs_gate_up_kernel
 
 
 @triton.jit
@@ -48,6 +49,14 @@ def _mxfp4_tile(blocks_ptr, scales_ptr, rows, ks, row_ok, k_ok, stride_bn, strid
 # kernels, (BLOCK_M, BLOCK_N, BLOCK_K) = (16, N, 128): at 1 token N = 64: 1.52 ms, 32: 0.74, 16: 0.37; at 16
 # tokens 8.06 / 4.68 / 2.11 ms (the float kernel: 0.34 / 0.54 ms at N = 64, where it is fastest).
 MXFP4_BLOCK_N = 16
+
+# Which kernels run: "tiles" (the two above, measured: GPT-OSS-20B 107 decode tok/s on an H200) or "pairs"
+# (triton_mxfp4_pairs.py: each byte decoded once, in integer bits, with weight rows as the MMA's M side; checked
+# under Triton's interpreter, not yet timed on a GPU). scripts/bench_mxfp4_moe.py times both; the winner stays.
+KERNELS = "tiles"
+# The pairs kernels' tile: BLOCK_N weight rows a program (the MMA's M), BLOCK_K inputs a step (BLOCK_K / 32
+# scale groups); BLOCK_M comes from the expert plan as for the float kernels.
+PAIRS_LAUNCH = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
 # Token counts change every step: specializing on them would only add recompiles.
@@ -137,26 +146,31 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up
         return torch.zeros_like(x)
     plan = plan_experts(x, router_logits, top_k, renormalize, num_experts)
     weights, sorted_slots, block_experts, launch = plan.weights, plan.sorted_slots, plan.block_experts, plan.launch
-    block_m, block_k = plan.block_m, plan.block_k
-    block_n = MXFP4_BLOCK_N
     num_blocks = block_experts.numel()
     gu_blocks = gate_up_blocks.view(num_experts, two_inter, hidden // 2)  # [E, 2I, H / 2] bytes
     d_blocks = down_blocks.view(num_experts, hidden, inter // 2)  # [E, H, I / 2] bytes
     h = x.new_empty((num_slots, inter))  # [S, I]: every slot's row is written once
+    y = x.new_empty((num_slots, hidden))  # [S, H]
     # Without biases the kernels never read their pointer (HAS_BIAS is compile-time): x stands in.
     b_gate_up_arg, b_down_arg = (x if b is None else b for b in (b_gate_up, b_down))
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    if KERNELS == "pairs":
+        cfg = dict(PAIRS_LAUNCH)
+        block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+        gate_up_kernel, down_kernel, launch = pairs_gate_up_kernel, pairs_down_kernel, cfg
+    else:
+        block_n, block_k = MXFP4_BLOCK_N, plan.block_k
+        gate_up_kernel, down_kernel = _gate_up_kernel, _down_kernel
+    gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, gu_blocks, gate_up_scales, h, sorted_slots, block_experts, b_gate_up_arg,
         num_slots, top_k, hidden, inter,
         x.stride(0), gu_blocks.stride(0), gu_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         h.stride(0), b_gate_up_arg.stride(0), float(swiglu_limit), float(swiglu_alpha),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_gate_up is not None,
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_gate_up is not None,
         CLAMPED=swiglu_limit > 0, **launch)
-    y = x.new_empty((num_slots, hidden))  # [S, H]
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         h, d_blocks, down_scales, y, weights.reshape(-1), sorted_slots, block_experts, b_down_arg,
         num_slots, hidden, inter,
         h.stride(0), d_blocks.stride(0), d_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         y.stride(0), b_down_arg.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_down is not None, **launch)
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=b_down is not None, **launch)
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

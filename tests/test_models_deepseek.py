@@ -319,16 +319,6 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(tmp_path):
         assert llm.speculation_stats()["num_drafts"] > 0
 
 
-def test_tool_calls_are_refused_until_their_tokens_are_parsed():
-    from kiln.serve.errors import InvalidRequest
-    from kiln.serve.openai.tool_calls import check_tools_readable
-
-    for architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        with pytest.raises(InvalidRequest, match="DeepSeek's tool-call tokens") as failure:
-            check_tools_readable(architecture)
-        assert failure.value.status == 400 and failure.value.param == "tools"
-
-
 def test_evicted_latents_come_back_from_the_host_tier(case):
     """The host KV tier copies MLA's one-plane latent blocks out and back: prompts run one at a time through 6
     device blocks, then again, read from the host."""

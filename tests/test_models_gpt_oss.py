@@ -224,11 +224,9 @@ def test_mxfp4_reader_refuses_what_it_cannot_build(tmp_path):
 
 
 def test_chat_reads_the_harmony_format():
-    """GPT-OSS's answers are read as harmony (serve/openai/harmony.py; tests/test_openai_harmony.py): tools are
-    taken, not refused."""
-    from kiln.serve.openai.tool_calls import HARMONY, check_tools_readable, default_parser
+    """GPT-OSS's answers are read as harmony (serve/openai/harmony.py; tests/test_openai_harmony.py)."""
+    from kiln.serve.openai.tool_calls import HARMONY, default_parser
 
-    check_tools_readable("GptOssForCausalLM")
     assert default_parser("GptOssForCausalLM") == HARMONY
 
 

@@ -326,7 +326,8 @@ def test_hermes_parser(tiny_code_engine):
 def test_tool_call_parser_is_checked(tiny_code_engine):
     from kiln.serve.config import ServeConfig
 
-    with pytest.raises(ValueError, match="tool_call_parser='mistral' is invalid: must be llama3_json, hermes or harmony"):
+    with pytest.raises(ValueError, match="tool_call_parser='mistral' is invalid: must be one of llama3_json, hermes, deepseek_v3, "
+                                         "deepseek_v31, harmony"):
         ServeConfig(engine_dir=str(tiny_code_engine), tool_call_parser="mistral")
 
 

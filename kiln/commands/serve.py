@@ -7,6 +7,8 @@ import asyncio
 import os
 from pathlib import Path
 
+from kiln.serve.openai.tool_calls import PARSER_NAMES
+
 from .flags import field_flags
 from .runtime_args import add_runtime_args, runtime_options
 
@@ -67,13 +69,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None,
                    help="file with a Jinja chat template for /v1/chat/completions (default: the engine's, from its "
                         "tokenizer_config.json or chat_template.jinja; kiln's bundled models ship one)")
-    p.add_argument("--tool-call-parser", default=None, choices=("llama3_json", "hermes", "harmony"),
+    p.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES,
                    help="the tool-call format /v1/chat/completions reads from the model's answer and constrains it "
                         "to with tool_choice required or a named function: llama3_json ({\"name\": ..., "
-                        "\"parameters\": {...}}) or hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}"
-                        "</tool_call>) or harmony (GPT-OSS: reasoning, answer and calls in channels, read from "
-                        "every answer) (default: by architecture: Llama/Mistral llama3_json, Qwen2/Qwen3 hermes, "
-                        "GPT-OSS or a template that renders <|channel|> harmony)")
+                        "\"parameters\": {...}}), hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}"
+                        "</tool_call>), deepseek_v3 / deepseek_v31 (DeepSeek's <｜tool▁calls▁begin｜> tokens; V3's "
+                        "name after <｜tool▁sep｜> and ```json arguments, V3.1's name before it) or harmony (GPT-OSS: "
+                        "reasoning, answer and calls in channels, read from every answer) (default: by architecture: "
+                        "Llama/Mistral llama3_json, Qwen2/Qwen3 hermes, DeepSeek by its chat template, GPT-OSS or a "
+                        "template that renders <|channel|> harmony)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (Hugging Face PEFT directories) served as OpenAI models by these names, "
                         "as name=path or JSON {\"name\": ..., \"path\": ...}; needs --enable-lora (default: none)")

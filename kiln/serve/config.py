@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.runtime.options import RuntimeOptions
+from kiln.serve.openai.tool_calls import PARSER_NAMES
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class ServeConfig:
     allowed_origins: tuple[str, ...] = ()  # web origins whose cross-origin requests are served ("*": any)
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's chat template
     chat_template_file: str | None = None  # the file chat_template was read from (--chat-template), for the log
-    # the tool-call format the chat API reads and constrains (serve/openai/tool_calls.py): llama3_json or hermes;
-    # None: the engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes)
+    # the tool-call format the chat API reads and constrains (serve/openai/tool_calls.py's PARSER_NAMES); None: the
+    # engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes, DeepSeek: by its chat template)
     tool_call_parser: str | None = None
     # LoRA adapters served by name (--lora-modules name=path): each is a `model` of the OpenAI API; needs
     # runtime.enable_lora. More come and go while serving through /v1/load_lora_adapter and /v1/unload_lora_adapter.
@@ -75,9 +76,9 @@ class ServeConfig:
         for name in ("keep_alive_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServeConfig.{name}={getattr(self, name)!r} is invalid: must be > 0 seconds")
-        if self.tool_call_parser not in (None, "llama3_json", "hermes", "harmony"):
-            raise ValueError(f"ServeConfig.tool_call_parser={self.tool_call_parser!r} is invalid: must be "
-                             "llama3_json, hermes or harmony")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"ServeConfig.tool_call_parser={self.tool_call_parser!r} is invalid: must be one of "
+                             f"{', '.join(PARSER_NAMES)}")
         for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request", "max_prompt_tokens_per_request",
                      "max_prompt_chars"):
             value = getattr(self, name)

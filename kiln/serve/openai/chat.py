@@ -24,9 +24,15 @@ from kiln.serve.openai import request as common
 from kiln.serve.openai.format import chat_logprobs, stop_string
 from kiln.serve.openai.harmony import HarmonyOutput, HarmonyStream
 from kiln.serve.openai.request import Choice, Job
-from kiln.serve.openai.tool_calls import HARMONY, PARSERS, check_tools_readable, default_parser
+from kiln.serve.openai.tool_calls import HARMONY, PARSERS, default_parser
 from kiln.serve.openai.tool_output import ToolOutput, ToolStream
-from kiln.serve.openai.tool_specs import ToolChoice, check_tool_choice, check_tools, template_tool_calls
+from kiln.serve.openai.tool_specs import (
+    ToolChoice,
+    check_tool_choice,
+    check_tools,
+    template_tool_calls,
+    with_text_arguments,
+)
 
 _CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                        "tool_choice"}
@@ -96,11 +102,22 @@ def chat_prompt(service: EngineService, chat_template: str | None, messages: lis
         raise InvalidRequest(f"model '{service.model_name}' has no chat template; start the server with "
                              "`kiln serve --chat-template FILE` (a Jinja template) or use /v1/completions",
                              "messages")
+    def render(messages: list[dict]) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools or None,
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as e:  # a template may reject any message (jinja's raise_exception, a missing key, ...)
+            raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools or None,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
-    except Exception as e:  # a template may reject any message (jinja's raise_exception, a missing key, ...)
-        raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
+        text = render(messages)
+    except InvalidRequest:
+        # Earlier calls' arguments go in as objects (Llama's and Qwen's templates); a template that adds them to a
+        # string (DeepSeek's: '...' + tool['function']['arguments']) fails on that and takes their JSON text.
+        as_text = with_text_arguments(messages)
+        if as_text is None:
+            raise
+        text = render(as_text)
     bos = tokenizer.bos_token
     return list(tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
 
@@ -153,8 +170,6 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     check_values(body)
     common.check_fields(body, _CHAT_FIELDS, n)
     tools = check_tools(body.get("tools"))
-    if tools:
-        check_tools_readable(service.llm.architecture)
     tool_choice = check_tool_choice(body.get("tool_choice"), tools)
     output = answer_output(tool_call_parser, tool_choice, service.tokenizer)
     guided, guided_field = _constraint(body, tool_choice, output)

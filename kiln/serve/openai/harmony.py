@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from kiln.runtime.core.guided_decoding import GuidedDecoding
 from kiln.runtime.core.sampling_params import SamplingParams
 from kiln.serve.errors import InvalidRequest
-from kiln.serve.openai.tool_calls import ToolCall, new_call_id
+from kiln.serve.openai.tool_call_base import ToolCall, new_call_id
 from kiln.serve.openai.tool_specs import Tool, ToolChoice
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"

@@ -1,8 +1,9 @@
 """Tool calls in the model's own format: reading them out of its text, and the constraint that makes it write one.
 
-Two formats, picked by `kiln serve --tool-call-parser` (default: by architecture, `default_parser`), read here; a
-third, harmony (GPT-OSS: calls in the commentary channel, reasoning in the analysis channel, read from every
-answer, tools or not), is read by harmony.py:
+The formats, picked by `kiln serve --tool-call-parser` (default: by architecture and chat template,
+`default_parser`); two are read here, DeepSeek's (deepseek_v3, deepseek_v31: calls between DeepSeek's tool tokens)
+by deepseek_tools.py, and harmony (GPT-OSS: calls in the commentary channel, reasoning in the analysis channel,
+read from every answer, tools or not) by harmony.py. `PARSERS` holds all but harmony:
 - llama3_json (Llama 3.x, Mistral): the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.1's
   templates say "parameters"; "arguments" is read too), possibly after `<|python_tag|>`, several calls
   separated by `;`.
@@ -18,87 +19,39 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kiln.runtime.core.guided_decoding import GuidedDecoding
-from kiln.serve.errors import InvalidRequest
+from kiln.serve.openai.deepseek_tools import DEEPSEEK_V3, DEEPSEEK_V31, DeepSeekParser, deepseek_layout
+from kiln.serve.openai.tool_call_base import (
+    Parsed,
+    ToolCall,
+    call_of,
+    held_from_tag,
+    json_grammar,
+    one_call_schema,
+)
 from kiln.serve.openai.tool_specs import Tool
 
 LLAMA3_JSON = "llama3_json"
 HERMES = "hermes"
 HARMONY = "harmony"
-PARSER_NAMES = (LLAMA3_JSON, HERMES, HARMONY)
-# Hugging Face architecture prefix -> the format its chat templates ask for.
+PARSER_NAMES = (LLAMA3_JSON, HERMES, DEEPSEEK_V3, DEEPSEEK_V31, HARMONY)
+# Hugging Face architecture prefix -> the format its chat templates ask for (DeepSeek's: by its template).
 _ARCHITECTURE_PARSERS = (("Llama", LLAMA3_JSON), ("Mistral", LLAMA3_JSON), ("Qwen2", HERMES), ("Qwen3", HERMES),
                          ("GptOss", HARMONY))
 # A chat template that renders this renders harmony (GPT-OSS's, whatever the architecture string says).
 _HARMONY_MARK = "<|channel|>"
 
 
-# Hugging Face architecture prefix -> the tool-call format kiln does not read yet: a request with tools is refused.
-_UNREAD_FORMATS = (("Deepseek", "DeepSeek's tool-call tokens (<｜tool▁calls▁begin｜> ... <｜tool▁calls▁end｜>)"),)
-
-
-def check_tools_readable(architecture: str) -> None:
-    """InvalidRequest (field `tools`) for a model whose tool calls kiln cannot read out of its text."""
-    for prefix, fmt in _UNREAD_FORMATS:
-        if architecture.startswith(prefix):
-            raise InvalidRequest(f"tools: {architecture} writes tool calls in {fmt}, which kiln does not parse "
-                                 f"yet; send the request without tools", "tools")
-
-
 def default_parser(architecture: str, chat_template: str | None = None) -> str:
-    """The format for a model of this architecture, or harmony for a chat template that renders it; llama3_json
-    for one not listed."""
+    """The format for a model of this architecture, or harmony for a chat template that renders it; DeepSeek's
+    V3 or V3.1 layout as its template renders calls; llama3_json for one not listed."""
     if chat_template and _HARMONY_MARK in chat_template:
         return HARMONY
+    if architecture.startswith("Deepseek"):
+        return deepseek_layout(chat_template)
     return next((parser for prefix, parser in _ARCHITECTURE_PARSERS if architecture.startswith(prefix)), LLAMA3_JSON)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=new_call_id)
-
-    def openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """A finished answer: `content` is the text before the calls (all of it when there are none)."""
-
-    content: str
-    calls: list[ToolCall]
-
-
-def _call(obj, tools: Sequence[Tool], keys: tuple[str, ...]) -> ToolCall | None:
-    """A decoded JSON value -> the call it is, or None when it is not a call of one of `tools`."""
-    if not isinstance(obj, dict) or not any(t.name == obj.get("name") for t in tools):
-        return None
-    arguments = next((obj[key] for key in keys if key in obj), {})
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _one_call_schema(tools: Sequence[Tool], arguments_key: str) -> dict:
-    """The JSON schema of one call: {"name": <a tool's name>, <arguments_key>: <its parameters>}."""
-    cases = [{"type": "object", "properties": {"name": {"const": t.name}, arguments_key: t.parameters},
-              "required": ["name", arguments_key], "additionalProperties": False} for t in tools]
-    return cases[0] if len(cases) == 1 else {"anyOf": cases}
 
 
 class Llama3JsonParser:
@@ -117,7 +70,7 @@ class Llama3JsonParser:
                 obj, end = self._decoder.raw_decode(body, position)
             except ValueError:
                 return Parsed(text, [])
-            call = _call(obj, tools, ("parameters", "arguments"))
+            call = call_of(obj, tools, ("parameters", "arguments"))
             if call is None:
                 return Parsed(text, [])
             calls.append(call)
@@ -140,7 +93,7 @@ class Llama3JsonParser:
         return len(text)
 
     def constraint(self, tools: Sequence[Tool]) -> GuidedDecoding:
-        return GuidedDecoding(json=_one_call_schema(tools, "parameters"))
+        return GuidedDecoding(json=one_call_schema(tools, "parameters"))
 
 
 class HermesParser:
@@ -159,7 +112,7 @@ class HermesParser:
                 obj = json.loads(block.group(1))
             except ValueError:
                 return Parsed(text, [])
-            call = _call(obj, tools, ("arguments", "parameters"))
+            call = call_of(obj, tools, ("arguments", "parameters"))
             if call is None:
                 return Parsed(text, [])
             calls.append(call)
@@ -167,28 +120,18 @@ class HermesParser:
 
     def held_from(self, text: str) -> int:
         """Streaming: text from `<tool_call>` on is held, and an end that might be the start of one."""
-        start = text.find(self.START)
-        if start >= 0:
-            return start
-        for size in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-size:]):
-                return len(text) - size
-        return len(text)
+        return held_from_tag(text, self.START)
 
     def constraint(self, tools: Sequence[Tool]) -> GuidedDecoding:
         """`<tool_call>\\n` + the call's JSON (compact, as Qwen's templates show it) + `\\n</tool_call>`, as an EBNF
         grammar that xgrammar builds from the JSON schema."""
         import xgrammar as xgr
 
-        try:
-            call = xgr.Grammar.from_json_schema(json.dumps(_one_call_schema(tools, "arguments")),
-                                                any_whitespace=False)
-        except Exception as e:  # xgrammar's RuntimeError/ValueError for a schema it cannot take
-            raise InvalidRequest(f"tools: a function's parameters are not a JSON schema that guided decoding "
-                                 f"can follow: {e}", "tools") from None
+        call = json_grammar(one_call_schema(tools, "arguments"))
         tags = (xgr.Grammar.from_ebnf(f"root ::= {json.dumps(self.START + chr(10))}"), call,
                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + self.END)}"))
         return GuidedDecoding(grammar=str(xgr.Grammar.concat(*tags)))
 
 
-PARSERS = {LLAMA3_JSON: Llama3JsonParser(), HERMES: HermesParser()}
+PARSERS = {LLAMA3_JSON: Llama3JsonParser(), HERMES: HermesParser(), DEEPSEEK_V3: DeepSeekParser(DEEPSEEK_V3),
+           DEEPSEEK_V31: DeepSeekParser(DEEPSEEK_V31)}

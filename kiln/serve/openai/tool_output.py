@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kiln.runtime.core.guided_decoding import GuidedDecoding
 from kiln.runtime.core.sampling_params import SamplingParams
-from kiln.serve.openai.tool_calls import Parsed, ToolCall
+from kiln.serve.openai.tool_call_base import Parsed, ToolCall
 from kiln.serve.openai.tool_specs import ToolChoice
 
 

@@ -131,6 +131,16 @@ def template_tool_calls(message: dict, i: int) -> list[dict] | None:
     return converted
 
 
+def with_text_arguments(messages: list[dict]) -> list[dict] | None:
+    """The messages with each earlier call's arguments as JSON text instead of an object (for templates that add
+    them to a string, as DeepSeek's do: `'...' + tool['function']['arguments']`); None when no message has calls."""
+    if not any(m.get("tool_calls") for m in messages):
+        return None
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
 def _no_other_keys(value: dict, allowed: frozenset[str], where: str) -> None:
     for key in value:
         if key not in allowed:

@@ -7,6 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from kiln.serve.openai.reasoning import REASONING_PARSERS
 from kiln.serve.openai.tool_calls import PARSER_NAMES
 
 from .flags import field_flags
@@ -78,6 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "reasoning, answer and calls in channels, read from every answer) (default: by architecture: "
                         "Llama/Mistral llama3_json, Qwen2/Qwen3 hermes, DeepSeek by its chat template, GPT-OSS or a "
                         "template that renders <|channel|> harmony)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="read the <think> block of chat answers into message.reasoning_content (vLLM's names; both "
+                        "read the same way: the block is open where the prompt ends with <think> or the answer "
+                        "starts with it) (default: none, answers as written)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (Hugging Face PEFT directories) served as OpenAI models by these names, "
                         "as name=path or JSON {\"name\": ..., \"path\": ...}; needs --enable-lora (default: none)")
@@ -107,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                          max_prompt_chars=args.max_prompt_chars,
                          shutdown_timeout_s=args.shutdown_timeout, chat_template=template,
                          chat_template_file=args.chat_template,
-                         tool_call_parser=args.tool_call_parser,
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                          max_queued_requests=args.max_queued_requests, max_connections=args.max_connections,
                          keep_alive_timeout_s=args.keep_alive_timeout, body_timeout_s=args.body_timeout,
                          allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.runtime.options import RuntimeOptions
+from kiln.serve.openai.reasoning import REASONING_PARSERS
 from kiln.serve.openai.tool_calls import PARSER_NAMES
 
 
@@ -44,6 +45,9 @@ class ServeConfig:
     # the tool-call format the chat API reads and constrains (serve/openai/tool_calls.py's PARSER_NAMES); None: the
     # engine architecture's (Llama/Mistral: llama3_json, Qwen2/Qwen3: hermes, DeepSeek: by its chat template)
     tool_call_parser: str | None = None
+    # whether chat answers' <think> block becomes reasoning_content (serve/openai/reasoning.py's REASONING_PARSERS,
+    # vLLM's names deepseek_r1 and qwen3, read alike); None: answers are read as they are (vLLM's default too)
+    reasoning_parser: str | None = None
     # LoRA adapters served by name (--lora-modules name=path): each is a `model` of the OpenAI API; needs
     # runtime.enable_lora. More come and go while serving through /v1/load_lora_adapter and /v1/unload_lora_adapter.
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -76,6 +80,9 @@ class ServeConfig:
         for name in ("keep_alive_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServeConfig.{name}={getattr(self, name)!r} is invalid: must be > 0 seconds")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"ServeConfig.reasoning_parser={self.reasoning_parser!r} is invalid: must be one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"ServeConfig.tool_call_parser={self.tool_call_parser!r} is invalid: must be one of "
                              f"{', '.join(PARSER_NAMES)}")

@@ -192,7 +192,7 @@ def add_routes(app: web.Application) -> None:
         config = request.app[CONFIG]
         with model_in_use(body, service) as lora:  # not unloaded under it: unloading is refused until it ends
             job = _with_lora(await chat_job(service, body, config.chat_template, RequestLimits.from_config(config),
-                                            tool_call_parser(config, service)), lora)
+                                            tool_call_parser(config, service), config.reasoning_parser), lora)
             return await (_answer_stream if job.stream else _answer)(request, job)
 
     app.router.add_get("/v1/models", list_models)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kiln.runtime.core.outputs import RequestOutput
 from kiln.runtime.core.sampling_params import MAX_TOP_LOGPROBS
-from kiln.serve.client_json import check_values
+from kiln.serve.client_json import check_values, shown
 from kiln.serve.config import ServeConfig
 from kiln.serve.engine_service import Delta, EngineService
 from kiln.serve.errors import InvalidRequest
@@ -23,6 +23,7 @@ from kiln.serve.limits import RequestLimits
 from kiln.serve.openai import request as common
 from kiln.serve.openai.format import chat_logprobs, stop_string
 from kiln.serve.openai.harmony import HarmonyOutput, HarmonyStream
+from kiln.serve.openai.reasoning import ReasoningOutput, ReasoningStream, prompt_opens_block
 from kiln.serve.openai.request import Choice, Job
 from kiln.serve.openai.tool_calls import HARMONY, PARSERS, default_parser
 from kiln.serve.openai.tool_output import ToolOutput, ToolStream
@@ -35,7 +36,12 @@ from kiln.serve.openai.tool_specs import (
 )
 
 _CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                       "tool_choice"}
+                                       "tool_choice", "chat_template_kwargs"}
+# apply_chat_template's own arguments, and what kiln passes itself: not for chat_template_kwargs to set.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
 def tool_call_parser(config: ServeConfig, service: EngineService) -> str:
@@ -51,6 +57,30 @@ def answer_output(parser: str, tool_choice: ToolChoice, tokenizer) -> ToolOutput
     if parser == HARMONY:
         return HarmonyOutput(tokenizer, tool_choice)
     return ToolOutput(PARSERS[parser], tool_choice) if tool_choice.tools else None
+
+
+def with_reasoning(output, reasoning_parser: str | None, prompt: str, constrained: bool):
+    """`output` read after reasoning.py's split, where a reasoning parser is set (`prompt`: the rendered prompt,
+    which may open the <think> block); harmony reads its own reasoning channel."""
+    if reasoning_parser is None or isinstance(output, HarmonyOutput):
+        return output
+    return ReasoningOutput(output, prompt_opens_block(prompt), constrained)
+
+
+def template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (vLLM's field: extra variables for the chat template, e.g. Qwen3's
+    `{"enable_thinking": false}`), checked: an object of named values that are not apply_chat_template's own."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise InvalidRequest(f"chat_template_kwargs={shown(kwargs)} is invalid: must be an object of template "
+                             "variables (names as keys)", "chat_template_kwargs")
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields "
+                             "and the server decide those", "chat_template_kwargs")
+    return kwargs
 
 
 def chat_messages(messages) -> list[dict]:
@@ -91,9 +121,23 @@ def check_messages_size(service: EngineService, limits: RequestLimits, messages:
 
 
 def chat_prompt(service: EngineService, chat_template: str | None, messages: list[dict],
-                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
-    """Renders the chat template (with `tools`, the request's tool objects, when given) and tokenizes it, adding
-    the BOS token only if the template did not. Slow for long messages: run it on the service's prompt worker."""
+                add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                kwargs: dict | None = None) -> list[int]:
+    """chat_text's prompt tokenized. Slow for long messages: run it on the service's prompt worker."""
+    return prompt_ids(service, chat_text(service, chat_template, messages, add_generation_prompt, tools, kwargs))
+
+
+def prompt_ids(service: EngineService, text: str) -> list[int]:
+    """A rendered chat prompt's token ids, with the BOS token only if the template did not write it."""
+    bos = service.tokenizer.bos_token
+    return list(service.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
+
+
+def chat_text(service: EngineService, chat_template: str | None, messages: list[dict],
+              add_generation_prompt: bool = True, tools: list[dict] | None = None,
+              kwargs: dict | None = None) -> str:
+    """Renders the chat template (with `tools`, the request's tool objects, when given, and `kwargs`, its
+    chat_template_kwargs)."""
     tokenizer = service.tokenizer
     if tokenizer is None:
         raise InvalidRequest("this engine has no tokenizer, so it cannot serve chat; use /v1/completions with "
@@ -102,24 +146,24 @@ def chat_prompt(service: EngineService, chat_template: str | None, messages: lis
         raise InvalidRequest(f"model '{service.model_name}' has no chat template; start the server with "
                              "`kiln serve --chat-template FILE` (a Jinja template) or use /v1/completions",
                              "messages")
+
     def render(messages: list[dict]) -> str:
         try:
             return tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools or None,
-                                                 add_generation_prompt=add_generation_prompt, tokenize=False)
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 **(kwargs or {}))
         except Exception as e:  # a template may reject any message (jinja's raise_exception, a missing key, ...)
             raise InvalidRequest(f"the chat template cannot render these messages: {e}", "messages") from None
 
     try:
-        text = render(messages)
+        return render(messages)
     except InvalidRequest:
         # Earlier calls' arguments go in as objects (Llama's and Qwen's templates); a template that adds them to a
         # string (DeepSeek's: '...' + tool['function']['arguments']) fails on that and takes their JSON text.
         as_text = with_text_arguments(messages)
         if as_text is None:
             raise
-        text = render(as_text)
-    bos = tokenizer.bos_token
-    return list(tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
+        return render(as_text)
 
 
 def chat_template_source(config: ServeConfig, tokenizer) -> str:
@@ -162,7 +206,7 @@ def _constraint(body: dict, tool_choice: ToolChoice, output: ToolOutput | Harmon
 
 
 async def chat_job(service: EngineService, body: dict, chat_template: str | None, limits: RequestLimits,
-                   tool_call_parser: str = "llama3_json") -> Job:
+                   tool_call_parser: str = "llama3_json", reasoning_parser: str | None = None) -> Job:
     """Checks the request; the template is rendered and tokenized on the service's prompt worker, never on the
     event loop, once the messages' size is within --max-prompt-chars."""
     n, stream, include_usage = common.n_and_stream(body, limits)
@@ -173,14 +217,17 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     tool_choice = check_tool_choice(body.get("tool_choice"), tools)
     output = answer_output(tool_call_parser, tool_choice, service.tokenizer)
     guided, guided_field = _constraint(body, tool_choice, output)
+    kwargs = template_kwargs(body)
     count_tokens = limits.prompt_tokens(service.tokenize, "messages")
     messages = chat_messages(body.get("messages"))
     size = check_messages_size(service, limits, messages)
 
-    def render() -> list[int]:
-        return count_tokens(chat_prompt(service, chat_template, messages, tools=[t.spec for t in tools]))
+    def render() -> tuple[list[int], str]:
+        text = chat_text(service, chat_template, messages, tools=[t.spec for t in tools], kwargs=kwargs)
+        return count_tokens(prompt_ids(service, text)), text
 
-    token_ids = await service.run_prompt_work(render, size=size)
+    token_ids, prompt = await service.run_prompt_work(render, size=size)
+    output = with_reasoning(output, reasoning_parser, prompt, constrained=guided is not None)
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = common.get_field(body, limit_field, None, int, "an integer >= 1")
     if max_tokens is None:
@@ -210,7 +257,7 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     def text_of(choice: Choice, out: RequestOutput, text: str) -> str:
         return text + stop_string(tokenizer, choice.params, eos, out) if choice.keep_stop and out.finished else text
 
-    answer_streams: dict[int, ToolStream | HarmonyStream] = {}
+    answer_streams: dict[int, ToolStream | HarmonyStream | ReasoningStream] = {}
 
     def format_choice(choice: Choice, out: RequestOutput) -> dict:
         text = text_of(choice, out, out.text)

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kiln.serve.errors import InvalidRequest
-from kiln.serve.openai.chat import template_kwargs
+from kiln.serve.openai.chat import chat_template_variables, template_kwargs
 from kiln.serve.openai.reasoning import ReasoningOutput, prompt_opens_block, split
 from kiln.serve.openai.tool_calls import PARSERS
 from kiln.serve.openai.tool_output import ToolOutput
@@ -130,9 +130,23 @@ def test_bad_chat_template_kwargs_are_400s(kwargs, message):
         {"enable_thinking": False}
 
 
+def test_reasoning_effort_is_a_template_variable():
+    assert chat_template_variables({"reasoning_effort": "low"}) == {"reasoning_effort": "low"}
+    assert chat_template_variables({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "high",
+                                                                                         "x": 1}}) == \
+        {"reasoning_effort": "high", "x": 1}
+    for body, message in (({"reasoning_effort": "max"}, "must be one of none, minimal, low, medium, high"),
+                          ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                           "disagree")):
+        with pytest.raises(InvalidRequest) as e:
+            chat_template_variables(body)
+        assert e.value.param == "reasoning_effort" and message in e.value.message
+
+
 # ---- end to end ---------------------------------------------------------------------------------------------------
 # DeepSeek-R1's way: the generation prompt opens the <think> block; Qwen3's enable_thinking closes it empty.
-THINKING_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+THINKING_TEMPLATE = ("{% if reasoning_effort is defined %}<system>Reasoning: {{ reasoning_effort }}\n{% endif %}"
+                     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                      "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not "
                      "enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
@@ -162,9 +176,9 @@ def test_an_answer_inside_the_opened_block_is_reasoning_whole_and_streamed(clien
     assert reasoning == message.reasoning_content
 
 
-def test_chat_template_kwargs_reach_the_template(client):
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(client):
     """enable_thinking false: the template closes the block in the prompt (more prompt tokens), so the answer is
-    content; /tokenize renders the same."""
+    content; /tokenize renders the same; reasoning_effort adds its system line."""
     import json
     import urllib.request
 
@@ -181,3 +195,6 @@ def test_chat_template_kwargs_reach_the_template(client):
             headers={"Content-Type": "application/json"})
         assert json.load(urllib.request.urlopen(request, timeout=30))["count"] == usage[thinking]
     assert usage[False] > usage[True]
+    r = client.chat.completions.create(model="kiln-tiny-code", messages=MESSAGES, max_tokens=1, temperature=0,
+                                       reasoning_effort="low")  # the openai package's own field
+    assert r.usage.prompt_tokens > usage[True]

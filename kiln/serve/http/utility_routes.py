@@ -14,12 +14,12 @@ from kiln.serve.engine_service import EngineService
 from kiln.serve.errors import InvalidRequest
 from kiln.serve.http.common import CONFIG, SERVICE, read_json
 from kiln.serve.limits import RequestLimits
-from kiln.serve.openai.chat import chat_messages, chat_prompt, check_messages_size, template_kwargs
+from kiln.serve.openai.chat import chat_messages, chat_prompt, chat_template_variables, check_messages_size
 from kiln.serve.openai.request import check_model
 from kiln.serve.openai.tool_specs import check_tools
 
 _TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools",
-                    "chat_template_kwargs"}
+                    "chat_template_kwargs", "reasoning_effort"}
 _DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -62,7 +62,7 @@ async def tokenize(service: EngineService, body: dict, chat_template: str | None
         tools = [tool.spec for tool in check_tools(body.get("tools"))]  # rendered as /v1/chat/completions does
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
         size = check_messages_size(service, limits, messages)
-        kwargs = template_kwargs(body)
+        kwargs = chat_template_variables(body)
         token_ids = await service.run_prompt_work(chat_prompt, service, chat_template, messages,
                                                   add_generation_prompt, tools, kwargs, size=size)
         field = "messages"
@@ -70,7 +70,7 @@ async def tokenize(service: EngineService, body: dict, chat_template: str | None
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise InvalidRequest(f"prompt={shown(prompt)} is invalid: must be a string", "prompt")
-        for name in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+        for name in ("add_generation_prompt", "tools", "chat_template_kwargs", "reasoning_effort"):
             if body.get(name) is not None:
                 raise InvalidRequest(f"{name} applies to 'messages'", name)
         limits.check_prompt_chars("prompt", len(prompt), "prompt", service.max_seq_len)

@@ -36,7 +36,9 @@ from kiln.serve.openai.tool_specs import (
 )
 
 _CHAT_FIELDS = common.COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                       "tool_choice", "chat_template_kwargs"}
+                                       "tool_choice", "chat_template_kwargs", "reasoning_effort"}
+# OpenAI's reasoning_effort values; the chat template reads the one given as `reasoning_effort` (GPT-OSS's does).
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # apply_chat_template's own arguments, and what kiln passes itself: not for chat_template_kwargs to set.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
                                        "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -81,6 +83,22 @@ def template_kwargs(body: dict) -> dict:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields "
                              "and the server decide those", "chat_template_kwargs")
     return kwargs
+
+
+def chat_template_variables(body: dict) -> dict:
+    """The template's extra variables: chat_template_kwargs, and OpenAI's `reasoning_effort` as the variable of that
+    name (GPT-OSS's template puts it in the system message; vLLM passes it the same way)."""
+    kwargs = template_kwargs(body)
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return kwargs
+    if effort not in _REASONING_EFFORTS:
+        raise InvalidRequest(f"reasoning_effort={shown(effort)} is invalid: must be one of "
+                             f"{', '.join(_REASONING_EFFORTS)}", "reasoning_effort")
+    if kwargs.get("reasoning_effort", effort) != effort:
+        raise InvalidRequest(f"reasoning_effort={effort!r} and chat_template_kwargs.reasoning_effort="
+                             f"{shown(kwargs['reasoning_effort'])} disagree: send one", "reasoning_effort")
+    return {**kwargs, "reasoning_effort": effort}
 
 
 def chat_messages(messages) -> list[dict]:
@@ -217,7 +235,7 @@ async def chat_job(service: EngineService, body: dict, chat_template: str | None
     tool_choice = check_tool_choice(body.get("tool_choice"), tools)
     output = answer_output(tool_call_parser, tool_choice, service.tokenizer)
     guided, guided_field = _constraint(body, tool_choice, output)
-    kwargs = template_kwargs(body)
+    kwargs = chat_template_variables(body)
     count_tokens = limits.prompt_tokens(service.tokenize, "messages")
     messages = chat_messages(body.get("messages"))
     size = check_messages_size(service, limits, messages)

@@ -1,6 +1,7 @@
-"""The newer model families with the rest of kiln (issue 37 item 6): speculative decoding (a draft model that
-verifies in multi-token steps) keeps transformers' greedy tokens, and guided decoding constrains the output, on
-each family's tiny random checkpoint (the families' own files check their parity with transformers in depth)."""
+"""The newer model families with the rest of kiln (issue 37 item 6, GPT-OSS and DeepSeek: issue 38): speculative
+decoding (a draft model that verifies in multi-token steps) keeps transformers' greedy tokens, and guided decoding
+constrains the output, on each family's tiny random checkpoint (the families' own files check their parity with
+transformers in depth)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def test_speculation_and_guided_decoding(tmp_path, name):
     architecture, overrides = FAMILIES[name]
     # pad_token_id None: some families' defaults (Phi-3's 32000, SmolLM3's 128004) lie past the tiny vocabulary
     checkpoint, model = make_checkpoint(tmp_path / "ckpt", architecture, pad_token_id=None, **overrides)
+    check_speculation_and_guidance(checkpoint, model, tmp_path)
+
+
+def test_gpt_oss_speculation_and_guided_decoding(tmp_path):
+    """GPT-OSS (issue 38 item 3): sinks, alternating windows and biased experts over multi-token verify steps."""
+    from test_models_gpt_oss import make_checkpoint as make_gpt_oss
+
+    checkpoint, model = make_gpt_oss(tmp_path / "ckpt")
+    check_speculation_and_guidance(checkpoint, model, tmp_path)
+
+
+def check_speculation_and_guidance(checkpoint, model, tmp_path) -> None:
     engine = build_engine(checkpoint, tmp_path / "engine", BuildConfig(dtype="float32", max_batch_size=4,
                                                                        max_num_tokens=64, max_seq_len=128),
                           progress=False)

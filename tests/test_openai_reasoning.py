@@ -84,6 +84,7 @@ def _assemble(output: ReasoningOutput, text: str, cuts: list[int]) -> tuple[dict
     (True, "<think>\nHmm </thi nk> no</think>\nYes", False),
     (False, "<think>\nPlan.\n</think>\n\nDone.", False),
     (False, "<thinking is not a tag", False),
+    (False, " \n <think>Spaced.</think> Out", False),  # whitespace first: not sent as content before the block
     (False, f"<think>Add them.</think>\n\n{CALL}", True),
     (True, f"Add them.</think>Sure. {CALL}", True),
 ])

@@ -45,8 +45,8 @@ def split(text: str, opened: bool, final: bool) -> Split:
     """Reasoning and answer of `text` (all of it when `final`; else what the text so far settles); `opened`: the
     prompt opened the block."""
     body = text.lstrip()
-    if not final and body and THINK.startswith(body):
-        return Split("", "")  # may still become <think>: nothing is settled
+    if not final and THINK.startswith(body):
+        return Split("", "")  # whitespace, or the start of <think>: it may still open the block, nothing is settled
     if body.startswith(THINK):
         body = body[len(THINK):]
     elif not opened:

@@ -89,6 +89,36 @@ def test_streaming_holds_back_what_may_be_a_call():
     assert [V3.held_from(t) for t in texts] == [2, 3, 3, 3, 3, 5, 1]
 
 
+def test_streamed_auto_answers_add_up_to_the_whole_message():
+    """Content streams until DeepSeek's opening token might start; the calls come whole at the end; for any cuts."""
+    import random
+
+    from kiln.serve.openai.tool_output import ToolOutput
+    from kiln.serve.openai.tool_specs import check_tool_choice
+
+    rng = random.Random(0)
+    texts = [f'Sure. {CALLS_BEGIN}{v3_call("add", args(a=1, b=2))}\n{v3_call("get_weather", args(city="Rome"))}'
+             f'{CALLS_END}', f'{CALLS_BEGIN}{v31_call("add", args(a=3, b=4))}{CALLS_END}', "No <｜tool but text."]
+    for parser, text in [(p, t) for p in (V3, V31) for t in texts]:
+        whole, finish = ToolOutput(parser, check_tool_choice(None, TOOLS)).message(text, "stop")
+        want = (whole["content"] or "", [(c["function"]["name"], c["function"]["arguments"])
+                                         for c in whole.get("tool_calls", [])], finish)
+        for _ in range(20):
+            cuts = sorted(rng.sample(range(1, len(text)), 5)) + [len(text)]
+            stream, content, calls, sent = ToolOutput(parser, check_tool_choice(None, TOOLS)).stream(), "", [], None
+            for k, cut in enumerate(cuts):
+                last = k == len(cuts) - 1
+                deltas, sent = stream.deltas(text[:cut], last, "stop" if last else None)
+                content += "".join(d.get("content", "") for d in deltas)
+                for d in deltas:
+                    for c in d.get("tool_calls", []):
+                        if "name" in c["function"]:
+                            calls.append([c["function"]["name"], ""])
+                        else:
+                            calls[c["index"]][1] += c["function"]["arguments"]
+            assert (content, [tuple(c) for c in calls], sent) == want, cuts
+
+
 # ---- the constraints ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("parser, call, other", [(V3, v3_call, v31_call), (V31, v31_call, v3_call)])
 def test_the_constraint_accepts_exactly_one_call_in_its_layout(parser, call, other):

@@ -146,6 +146,9 @@ def test_kiln_serve_process_exits_0_on_sigterm(tiny_code_engine):
         port = int(match.group(1))
         line = proc.stdout.readline()  # no --chat-template: the bundled model's own
         assert line.strip() == "kiln serve: chat template: the engine's own (tokenizer/tokenizer_config.json)", line
+        line = proc.stdout.readline()  # Llama: llama3_json; no --reasoning-parser
+        assert line.strip() == ("kiln serve: chat answers: tool calls in llama3_json (the default for "
+                                "LlamaForCausalLM); answers as written (--reasoning-parser reads <think>)"), line
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=10).status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

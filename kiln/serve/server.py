@@ -17,7 +17,7 @@ from kiln.serve.engine_service import EngineService
 from kiln.serve.http.app import make_http_app, make_metrics_app
 from kiln.serve.http.guard import LimitedTCPSite
 from kiln.serve.lora_modules import server_loras
-from kiln.serve.openai.chat import chat_template_source
+from kiln.serve.openai.chat import chat_reading, chat_template_source
 
 logger = logging.getLogger("kiln.serve")
 
@@ -131,6 +131,7 @@ async def serve(config: ServeConfig) -> None:
           f"OpenAI), {config.host}:{server.grpc_port} (gRPC), http://{config.host}:{server.metrics_port}/metrics",
           flush=True)
     print(f"kiln serve: chat template: {chat_template_source(config, server.service.tokenizer)}", flush=True)
+    print(f"kiln serve: chat answers: {chat_reading(config, server.service)}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -53,6 +53,18 @@ def tool_call_parser(config: ServeConfig, service: EngineService) -> str:
                                                      template if isinstance(template, str) else None)
 
 
+def chat_reading(config: ServeConfig, service: EngineService) -> str:
+    """How chat answers are read, for the startup line: the tool-call format and where it comes from, and
+    whether a reasoning parser reads the <think> block."""
+    parser = tool_call_parser(config, service)
+    source = "--tool-call-parser" if config.tool_call_parser else f"the default for {service.llm.architecture}"
+    if parser == HARMONY:
+        return f"harmony channels: reasoning, content, tool calls ({source})"
+    reasoning = (f"<think> into reasoning_content (--reasoning-parser {config.reasoning_parser})"
+                 if config.reasoning_parser else "answers as written (--reasoning-parser reads <think>)")
+    return f"tool calls in {parser} ({source}); {reasoning}"
+
+
 def answer_output(parser: str, tool_choice: ToolChoice, tokenizer) -> ToolOutput | HarmonyOutput | None:
     """How a request's answers are read: harmony's channels always (and its calls with tools), another format's
     calls only with tools, else not at all (plain text)."""

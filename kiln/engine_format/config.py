@@ -6,23 +6,47 @@ weights) resolves into an `EngineBuildConfig`; the runtime never sees the builde
 
 from __future__ import annotations
 
+import collections.abc
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .limits import check_build_limits, check_max_beam_width
 from .mapping import Mapping
 from .spec import ENGINE_JSON, EngineError, EngineSpec
 
+if TYPE_CHECKING:
+    import torch
+
+
+class TorchDtypes(collections.abc.Mapping):
+    """engine.json's dtype names -> torch dtypes, torch imported at the first lookup: reading an engine's files
+    (a Triton ensemble's text models, `kiln` commands that only inspect an engine) needs no torch."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self._names = names  # engine.json name -> the attribute of torch
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self._names[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 # The dtypes an engine may hold its weights and activations in (engine.json build_config.dtype).
-ENGINE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ENGINE_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+ENGINE_DTYPES = TorchDtypes(_ENGINE_NAMES)
 # The dtypes a KV cache may hold (engine.json build_config.kv_cache_dtype): the engine dtypes, or one of the
 # quantized ones, which store k / k_scale and v / v_scale with one (k_scale, v_scale) pair per layer.
-QUANTIZED_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
-KV_CACHE_DTYPES = {**ENGINE_DTYPES, **QUANTIZED_KV_CACHE_DTYPES}
+_QUANTIZED_KV_NAMES = {"fp8": "float8_e4m3fn", "int8": "int8"}
+QUANTIZED_KV_CACHE_DTYPES = TorchDtypes(_QUANTIZED_KV_NAMES)
+KV_CACHE_DTYPES = TorchDtypes({**_ENGINE_NAMES, **_QUANTIZED_KV_NAMES})
 
 KVCacheScales = tuple[tuple[float, float], ...]  # per layer (k_scale, v_scale)
 

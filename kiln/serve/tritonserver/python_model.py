@@ -99,7 +99,6 @@ try:
     from kiln.serve.tritonserver.beam_rows import beams_of, check_beam_widths
     from kiln.serve.tritonserver.logits_outputs import streamed
     from kiln.serve.tritonserver.lora_tasks import LoRATasks
-    from kiln.serve.tritonserver.relay import Relay
     from kiln.serve.tritonserver.repository import BackendParameters
     from kiln.serve.tritonserver.request import (
         Beam,
@@ -162,6 +161,9 @@ class TritonPythonModel:
             {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()})
         check_environment(config, params.engine_dir)
         self.llm = load_kiln_engine(params, instance_device(args, params), config.get("max_batch_size") or None)
+        # Imported here, on the engine's side only: the ensemble's text models load this file and need no torch.
+        from kiln.serve.tritonserver.relay import Relay
+
         self.relay = Relay(self.llm)
         # TensorRT-LLM's lora_task_id: adapters sent with a task's first request, kept under lora-task-<id>
         self.lora_tasks = LoRATasks(self.llm, server_loras(self.llm, args.get("model_name", "kiln"), ()),

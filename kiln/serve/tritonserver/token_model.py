@@ -16,6 +16,7 @@ import numpy as np
 
 from kiln.serve.errors import InvalidRequest
 from kiln.serve.tritonserver.layout import TOKEN_INPUTS, single_name
+from kiln.serve.tritonserver.relay import Relay
 from kiln.serve.tritonserver.request import TritonRequest, parse_request
 from kiln.serve.tritonserver.text_steps import words_of
 
@@ -111,7 +112,7 @@ class TokenModel:
 
         base = self.base
         self.llm = base.load_kiln_engine(params, base.instance_device(args, params), config.get("max_batch_size") or None)
-        self.relay = base.Relay(self.llm)
+        self.relay = Relay(self.llm)
         self.lora_tasks = LoRATasks(self.llm, server_loras(self.llm, args.get("model_name", "tensorrt_llm"), ()),
                                     "write the repository with `kiln triton-repo --enable-lora`")
 

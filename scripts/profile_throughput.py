@@ -101,7 +101,18 @@ def main() -> None:
     p.add_argument("--gc-off-from", type=int, default=0, help="gc.disable() before this plain run (1-based; 0: never)")
     p.add_argument("--unfreeze", action="store_true", help="gc.unfreeze() once loaded (how kiln ran before heap.py)")
     p.add_argument("--host", action="store_true", help="also a cProfile of one more run: where the host's time goes")
+    p.add_argument("--fp8-exact-accum", action="store_true",
+                   help="cuBLASLt's FP8 GEMMs promoting their sums to float32 (triton_scaled_linear.FP8_FAST_ACCUM off)")
+    p.add_argument("--no-decode-split", action="store_true",
+                   help="mixed steps' decode rows attend with the prompts, in one unified kernel (no decode_prefix.py)")
+    p.add_argument("--no-profile", action="store_true", help="the plain runs only")
     args = p.parse_args()
+    if args.fp8_exact_accum:
+        from kiln.plugins import triton_scaled_linear
+        triton_scaled_linear.FP8_FAST_ACCUM = False  # before the engine loads: its graphs capture the choice
+    if args.no_decode_split:
+        from kiln.model_defs.layers import context
+        context.decode_prefix = lambda *a: None
     llm = LLM(args.engine)
     if args.unfreeze:
         gc.unfreeze()
@@ -128,6 +139,8 @@ def main() -> None:
         print(f"plain run {i + 1}: {plain['tok_s']:.0f} output tok/s, wall {plain['wall']:.2f} s: steps with prompt "
               f"work {plain['mixed_steps']} ({plain['mixed_s']:.2f} s), decode-only {plain['decode_steps']} "
               f"({plain['decode_s']:.2f} s); {seen}", flush=True)
+    if args.no_profile:
+        return
     prompts = random_prompts(args.num_requests, args.input_len, vocab, seed=0)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prof_run = run(engine, prompts, args.output_len)

@@ -282,24 +282,33 @@ def test_interpreted_cuda_kernels_match_transformers(built):
     interpreter), plan-less as on a GPU; the sink attention (the unified kernel with and without the window, the
     decode kernel), rotary + KV write, the norms and the biased, clamped MoE kernels give transformers' greedy
     tokens and prompt logprobs. With the GPU test this splits a CUDA mismatch into the kernels' logic (here) and
-    the GPU's arithmetic or transformers' version (there)."""
+    the GPU's arithmetic or transformers' version (there). Steps of 24 tokens chunk the longer prompt beside the
+    shorter one's decode row: mixed steps whose decode row attends apart (decode_prefix.py)."""
     _, engine, model = built
     prompts = PROMPTS[2:]  # 17 and 40 tokens: past the window of 6, across 16-token cache blocks
     out = run_interpreted(KERNELS_FOR_CPU_TENSORS + f"""
 import json
+from kiln.model_defs.layers import context
 from kiln.runtime import LLM, SamplingParams
 
+splits = []
+found = context.decode_prefix
+context.decode_prefix = lambda *a: splits.append(found(*a)) or splits[-1]
 params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=True)
-with LLM({str(engine)!r}) as llm:
-    outs = llm.generate({prompts!r}, params)
-print(json.dumps({{"ran": sorted(KERNELS_RAN), "outs": [[o.token_ids, o.prompt_logprobs[1:]] for o in outs]}}))
+runs = []
+for max_num_tokens in (None, 24):
+    with LLM({str(engine)!r}, max_num_tokens=max_num_tokens) as llm:
+        runs.append([[o.token_ids, o.prompt_logprobs[1:]] for o in llm.generate({prompts!r}, params)])
+print(json.dumps({{"ran": sorted(KERNELS_RAN), "runs": runs, "split": [s.num_decode for s in splits if s]}}))
 """)
     result = json.loads(out.strip().splitlines()[-1])
     assert {"kiln::paged_attention", "kiln::fused_moe", "kiln::rotary_embedding_and_write_kv",
             "kiln::fused_add_rms_norm"} <= set(result["ran"])
-    for prompt, (tokens, logprobs) in zip(prompts, result["outs"]):
-        assert tokens == hf_greedy(model, prompt, 2), f"prompt of {len(prompt)} tokens"
-        assert logprobs == pytest.approx(hf_prompt_logprobs(model, prompt), abs=1e-4)
+    assert result["split"] and set(result["split"]) == {1}  # the chunked run's mixed steps
+    for run in result["runs"]:
+        for prompt, (tokens, logprobs) in zip(prompts, run):
+            assert tokens == hf_greedy(model, prompt, 2), f"prompt of {len(prompt)} tokens"
+            assert logprobs == pytest.approx(hf_prompt_logprobs(model, prompt), abs=1e-4)
 
 
 # --- on a GPU (the lead's device runs these) ---

@@ -75,7 +75,14 @@ class Attention(nn.Module):
         plan = ctx.plan  # the step's metadata worked out once for every layer where the references run
         q = rotary_embedding_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping,
                                           k_scale, v_scale, plan=plan)  # k, v cached
-        out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              self.scale, self.sliding_window, k_scale, v_scale, self.softcap, self.sinks,
-                              ctx.tree_mask, plan=plan)  # [T, Hq, D]
+        def attend(q, block_tables, seq_lens, query_start_loc):  # [t, Hq, D] -> [t, Hq, D]
+            return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, self.scale,
+                                   self.sliding_window, k_scale, v_scale, self.softcap, self.sinks, ctx.tree_mask,
+                                   plan=plan)
+
+        split = ctx.decode_prefix  # a mixed step's decode rows apart from its prompts (decode_prefix.py)
+        if split is None:
+            out = attend(q, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)  # [T, Hq, D]
+        else:
+            out = split.attend(attend, q, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
         return self.o_proj(out.view(num_tokens, -1))

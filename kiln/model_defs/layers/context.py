@@ -12,6 +12,7 @@ import torch
 
 from kiln.plugins.step_plan import StepPlan, step_plan
 
+from .decode_prefix import DecodePrefix, decode_prefix
 from .mla_split import MLASplit, mla_split
 
 
@@ -53,6 +54,14 @@ class ForwardContext:
         by every layer (the attention and KV-write wrappers' `plan=`); None where the GPU kernels run."""
         block_size = self.kv_caches[0][0].shape[1] if self.kv_caches else 1
         return step_plan(self.block_tables, self.seq_lens, self.query_start_loc, self.slot_mapping, block_size)
+
+    @cached_property
+    def decode_prefix(self) -> DecodePrefix | None:
+        """A mixed step's leading decode rows, whose attention runs apart from the prompts' on the GPU
+        (decode_prefix.py), worked out on first use and shared by every layer; None where nothing is split."""
+        if self.plan is not None:  # the references run (eager CPU)
+            return None
+        return decode_prefix(self.host_query_lens, self.query_start_loc, self.tree_mask is not None)
 
     @cached_property
     def mla_split(self) -> MLASplit | None:

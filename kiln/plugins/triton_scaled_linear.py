@@ -17,7 +17,8 @@ Two launches:
    exact, with float32 sums).
 
 From 17 tokens on, an FP8 GEMM in bfloat16 without bias goes to cuBLASLt instead (torch._scaled_mm with
-row-wise scales: the same float32 epilogue, s_x[t] * weight_scale[n], with its own summation order).
+row-wise scales: the same float32 epilogue, s_x[t] * weight_scale[n], with its own summation order, in the
+tensor cores' fast accumulation: FP8_FAST_ACCUM).
 
 Every launch setting comes from shapes, never from tensor values, and the scales stay on the device: no
 host sync, so CUDA graphs capture the op.
@@ -259,6 +260,12 @@ def _sum_splits_kernel(part_ptr, sx_ptr, ws_ptr, bias_ptr, out_ptr, T, N, stride
 # at least as fast (decode is bound by the weight's bytes); above, cuBLASLt's wgmma kernels win prefill and
 # large batches.
 CUBLASLT_MIN_TOKENS = 17
+# cuBLASLt's FP8 GEMMs accumulate in the tensor cores' own accumulator, never promoted to float32 (what
+# TensorRT-LLM's and vLLM's FP8 GEMMs do on Hopper). H200, Llama-8B shapes (scripts/bench_fp8_gemm.py): 5-12%
+# faster at M = 1,024-8,192, the largest error 5e-3 to 1.2e-2 of the output's largest magnitude against
+# 2.3e-3 to 3.1e-3 (K = 4,096 / 14,336); a 128 / 128 x 3000 FP8 run 24,225-24,663 -> 25,634-26,274 output
+# tok/s (scripts/profile_throughput.py, same machine, against --fp8-exact-accum). False: float32 promotion.
+FP8_FAST_ACCUM = True
 
 
 def _takes_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -317,7 +324,7 @@ def _quantized_gemm(x_q: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, 
     if _takes_cublaslt(x_q, weight, bias, out_dtype):
         # weight.t(): [K, N] column-major, the layout cuBLASLt's FP8 GEMM wants for its second operand.
         return torch._scaled_mm(x_q, weight.t(), scale_a=s_x, scale_b=weight_scale.view(1, n),
-                                out_dtype=out_dtype, use_fast_accum=False)
+                                out_dtype=out_dtype, use_fast_accum=FP8_FAST_ACCUM)
     int8 = weight.dtype == torch.int8
     tuned = tuning.lookup(TUNED_KERNEL, tuning_key(t, n, k, int8)) if t <= 16 else None
     cfg = GemmConfig(16, **tuned) if tuned else gemm_config(t, n, _sm_count(x_q.device), k)

@@ -4,7 +4,8 @@ the KV bytes read per second is the figure to watch (decode attention is memory-
 
     python scripts/bench_attention.py                       # the launch settings the runtime picks
     python scripts/bench_attention.py --sweep               # FP8 (or `--sweep all`): other launch settings too
-    python scripts/bench_attention.py --variant f16         # FP8 tiles converted through float16 (or: direct)
+    python scripts/bench_attention.py --variant f16         # FP8 tiles converted through float16 (or: direct,
+                                                            # f16dots: the dots in float16)
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from kiln.plugins import triton_attention as ta
 HQ, HK, D, BLOCK = 32, 8, 128, 16
 
 
-# How an FP8 tile becomes q's dtype: through float32 (the kernel's way), directly, or through float16.
-VARIANTS = {"f32": "k.to(tl.float32)", "direct": "k", "f16": "k.to(tl.float16)"}
+# How an FP8 tile becomes q's dtype: through float32 (the kernel's way), directly, or through float16; or
+# "f16dots": the tiles become float16 (one packed conversion per two values on sm_90) and q meets them there,
+# the dots in float16 (exact for every FP8 value; q rounded to float16, which overflows past 65,504).
+VARIANTS = {"f32": "k.to(tl.float32)", "direct": "k", "f16": "k.to(tl.float16)", "f16dots": None}
 
 
 def load_variant(name: str):
@@ -37,7 +40,12 @@ def load_variant(name: str):
     for t in ("k", "v"):
         old = f"{t} = {t}.to(tl.float32).to(q.dtype)"
         assert old in src, old
-        src = src.replace(old, f"{t} = {VARIANTS[name].replace('k', t, 1)}.to(q.dtype)")
+        new = f"{t} = {t}.to(tl.float16)" if name == "f16dots" else f"{t} = {VARIANTS[name].replace('k', t, 1)}.to(q.dtype)"
+        src = src.replace(old, new)
+    if name == "f16dots":  # p already meets v in v's dtype
+        old = "scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)"
+        assert old in src, old
+        src = src.replace(old, "scores = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION)")
     target = path.with_name(f"_attention_variant_{name}.py")
     target.write_text(src)
     spec = importlib.util.spec_from_file_location(f"kiln.plugins._attention_variant_{name}", target)

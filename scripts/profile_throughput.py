@@ -1,6 +1,8 @@
 """Where a throughput run's time goes: a whole `kiln bench throughput`-style run under torch.profiler.
 
     python scripts/profile_throughput.py --engine DIR [--input-len 128] [--output-len 128] [--num-requests 3000]
+    python scripts/profile_throughput.py --engine DIR --input-len 2048 --output-len 1 --num-requests 1 --repeat 5
+                                                      # one long prompt's prefill step: where its TTFT goes
 
 Queues every request at once (as `kiln bench throughput` does), runs one untimed warm-up wave, then the timed run
 twice: plain (output tok/s, steps split into those that carry prompt tokens and decode-only ones, with their wall
@@ -118,7 +120,8 @@ def main() -> None:
         gc.unfreeze()
     engine = llm.engine
     vocab = engine.model_config.vocab_size
-    run(engine, random_prompts(engine.runtime.max_batch_size, args.input_len, vocab, seed=1), 8)  # warm-up wave
+    warmup = min(engine.runtime.max_batch_size, args.num_requests)
+    run(engine, random_prompts(warmup, args.input_len, vocab, seed=1), 8)  # warm-up wave
     for i in range(args.repeat):
         if args.gc_off_from and i + 1 == args.gc_off_from:
             gc.collect()

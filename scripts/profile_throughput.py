@@ -42,7 +42,10 @@ def run(engine, prompts, output_len: int) -> dict:
     _sync()
     start = time.perf_counter()
     while sched.waiting or sched.running:
-        prompt_work = bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        # Waiting requests start only where the batch has room; a running one may still be mid-prompt (chunked).
+        room = len(sched.running) < engine.runtime.max_batch_size
+        prompt_work = (bool(sched.waiting) and room) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
         t0 = time.perf_counter()
         engine.step(final_only=True)  # as LLM.generate steps
         dt = time.perf_counter() - t0

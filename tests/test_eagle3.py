@@ -226,6 +226,13 @@ def test_features_and_drafts_are_what_a_plain_head_computes(target, tmp_path):
             checked += good
             offset += len(r.token_ids)
     assert checked >= sum(len(ids) - 1 for ids in full.values())
+    assert_plain_head_drafts(hf, t, features, proposed)
+    assert {len(p.token_ids) for _, ps in proposed for p in ps.values()} >= {3}
+
+
+def assert_plain_head_drafts(hf, t: dict, features: dict, proposed: list) -> None:
+    """Every draft (and q) of `proposed` ([(requests, proposals)]) is what a plain head computes from the
+    target's features of all positions (`features`: request id -> [N, 3H])."""
     embedding = hf.model.embed_tokens.weight.detach()
     for requests, proposals in proposed:
         for request in requests:
@@ -241,7 +248,50 @@ def test_features_and_drafts_are_what_a_plain_head_computes(target, tmp_path):
                 else:
                     torch.testing.assert_close(proposal.probs[i], logits[-1].softmax(-1), atol=1e-4, rtol=1e-3)
                 inputs, fused = [*inputs, draft], torch.cat([fused, prenorm[-1:]])
-    assert {len(p.token_ids) for _, ps in proposed for p in ps.values()} >= {3}
+
+
+def test_a_prefix_the_target_finds_cached_the_head_finds_cached_too(target, tmp_path):
+    """A second prompt sharing 36 tokens with a first one: the target computes no features for the 32 it finds
+    cached, and the head finds its own KV of those positions cached (hashed over the tokens after them, salted with
+    the first), so its drafts are those of a plain head over every position's features."""
+    engine, hf = target
+    head, t = write_head(tmp_path / "head", embed=False)
+    layers = (2, LAYERS // 2, LAYERS - 3)
+    g = torch.Generator().manual_seed(11)
+    first = torch.randint(2, VOCAB, (40,), generator=g).tolist()
+    second = first[:36] + torch.randint(2, VOCAB, (6,), generator=g).tolist()
+    found, proposed = [], []
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(engine, speculative_config=_spec(head, 3)) as llm:
+        proposer = llm.engine.speculator.proposer
+        lookup, propose = proposer.blocks.find_cached_prefix, proposer.propose
+        proposer.blocks.find_cached_prefix = lambda *a: found.append(lookup(*a).num_tokens) or lookup(*a)
+        outs = [llm.generate([first], params)[0]]
+        proposer.propose = lambda requests: proposed.append((requests, propose(requests))) or proposed[-1][1]
+        outs.append(llm.generate([second], params)[0])
+        assert llm.kv_cache_stats()["prefix_cache_hit_tokens"] == 32
+    assert found == [0, 32]  # each request's first proposal: nothing for the first, the shared blocks for the second
+    full = {outs[1].request_id: [*second, *outs[1].token_ids]}
+    with torch.no_grad():
+        states = hf(torch.tensor([full[outs[1].request_id]]), output_hidden_states=True).hidden_states
+    features = {outs[1].request_id: torch.cat([states[i][0] for i in layers], -1)}
+    assert_plain_head_drafts(hf, t, features, proposed)
+    assert sum(len(p.token_ids) for _, ps in proposed for p in ps.values()) >= 6
+
+
+def test_head_blocks_are_salted_with_the_first_token():
+    """Two prompts that differ only in their first token share no head block (its positions read the features of
+    every token before them), and a head block never answers a plain lookup of the same tokens."""
+    from kiln.runtime.core.block_manager import BlockManager
+
+    blocks = BlockManager(8, 4)
+    shifted = list(range(10, 19))
+    assert blocks.allocate("a", 9)
+    blocks.cache_full_blocks("a", shifted, 8, salt=b"eagle3:1")
+    assert blocks.find_cached_prefix(shifted, salt=b"eagle3:1").num_tokens == 8
+    assert blocks.find_cached_prefix(shifted, salt=b"eagle3:2").num_tokens == 0
+    assert blocks.find_cached_prefix(shifted).num_tokens == 0
+    assert blocks.find_cached_prefix(shifted, lora_int_id=3, salt=b"eagle3:1").num_tokens == 0
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(target, tmp_path):

@@ -20,11 +20,11 @@ continues past the device's cached blocks into the host tier gets fresh blocks t
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.runtime.core.block_hashes import chain_hash, first_parent
 from kiln.runtime.core.block_table import BlockTable, new_stamp
 from kiln.runtime.core.kv_tiers import NO_TRANSFERS, HostTierIndex, KVTransfers
 
@@ -68,19 +68,6 @@ class CachedPrefix:
     @property
     def num_device_tokens(self) -> int:
         return self.num_tokens - self.num_host_tokens
-
-
-def _first_parent(lora_int_id: int) -> bytes | None:
-    """The chain's start: none for the base model, the adapter's id otherwise, so that two adapters (whose KV
-    differ for the same tokens) never share a block."""
-    return None if not lora_int_id else b"lora:%d" % lora_int_id
-
-
-def _chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    # sha256 rather than Python's hash(): a collision would silently serve another prompt's KV.
-    h = hashlib.sha256(parent or b"")
-    h.update(",".join(map(str, tokens)).encode())
-    return h.digest()
 
 
 class BlockManager:
@@ -141,19 +128,19 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- verbs ---------------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], lora_int_id: int = 0) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], lora_int_id: int = 0, salt: bytes = b"") -> CachedPrefix:
         """Longest run of cached full blocks that `token_ids` starts with, computed with LoRA adapter
-        `lora_int_id` (0: the base model). It never covers the last token, whose logits the request still has
-        to compute."""
+        `lora_int_id` (0: the base model) and `salt` (block_hashes.py). It never covers the last token, whose
+        logits the request still has to compute."""
         if not self.enable_prefix_caching:
             return CachedPrefix()
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
         rest: list[bytes] = []  # the prefix's blocks after the first one the device pool lacks, by hash
         num_host = num_disk = 0
-        parent = _first_parent(lora_int_id)
+        parent = first_parent(lora_int_id, salt)
         for i in range(max_blocks):
-            parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._cached.get(parent)
             if block_id is not None and not rest:
                 found.append(block_id)
@@ -171,10 +158,10 @@ class BlockManager:
     def prefix_hashes(self, token_ids: Sequence[int], lora_int_id: int = 0) -> list[bytes]:
         """The chain hashes of every full block of `token_ids` that a prompt could start from (the disk tier
         looks these up before the request is scheduled)."""
-        parent = _first_parent(lora_int_id)
+        parent = first_parent(lora_int_id)
         hashes = []
         for i in range((len(token_ids) - 1) // self.block_size):
-            parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(parent)
         return hashes
 
@@ -222,19 +209,20 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
-                          lora_int_id: int = 0) -> None:
+                          lora_int_id: int = 0, salt: bytes = b"") -> None:
         """Registers the request's blocks that `num_computed_tokens` has completely filled. `token_ids` are
         the request's accepted tokens; a computed position past them (a draft) is never hashed.
-        `lora_int_id`: the adapter the request runs with (0: the base model), part of every block's hash."""
+        `lora_int_id`: the adapter the request runs with (0: the base model), part of every block's hash, as
+        `salt` is."""
         if not self.enable_prefix_caching:
             return
         num_computed_tokens = min(num_computed_tokens, len(token_ids))
         table = self._tables.get(request_id, [])
         hashes = self._hashes.setdefault(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        parent = hashes[-1] if hashes else _first_parent(lora_int_id)
+        parent = hashes[-1] if hashes else first_parent(lora_int_id, salt)
         for i in range(len(hashes), num_full):
-            parent = _chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(parent)
             block = self._blocks[table[i]]
             if block.block_hash is None and parent not in self._cached:

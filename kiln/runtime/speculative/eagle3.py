@@ -11,8 +11,13 @@ final norm) at the position before. Features of drafts the target rejected are s
 computes those positions again, and a request's positions are read only below its last token.
 
 Greedy drafts are the argmax over the target vocabulary (the draft vocabulary placed by `d2t`); sampled drafts
-come with q, the head's processed distribution, for the rejection rule. A position whose features never came
-(a prefix-cache hit on the target, or a head cache that had to drop the request) reads zeros: the drafts are
+come with q, the head's processed distribution, for the rejection rule. The head's cache is a prefix cache too:
+head position j depends on tokens 0..j + 1 (and the target's adapter), so its blocks are hashed over the tokens
+shifted by one, salted with the first token and chained under the request's LoRA adapter; a prompt whose prefix
+the target finds cached (and so computes no features for) finds the head's KV of that prefix cached beside it.
+Only blocks computed from real features from position 0 on are registered, and a request that must start over
+does so in fresh blocks, so a shared block is never rewritten. A position whose features never came and whose
+head block is not cached (evicted, or the head's cache had to drop the request) reads zeros: the drafts are
 worse, never wrong. Steps that capture features run eagerly (no CUDA graphs), as verify steps already do.
 
 The head's own steps run eagerly too, a host sync after each draft, except for greedy chains: the draft steps
@@ -35,7 +40,7 @@ import torch
 from kiln.engine_format import EngineError
 from kiln.model_defs.layers.decoder import DecoderForCausalLM
 from kiln.model_defs.layers.mla import MLAttention
-from kiln.runtime.core.block_manager import BlockManager
+from kiln.runtime.core.block_manager import BlockManager, CachedPrefix
 from kiln.runtime.core.scheduler import ScheduledRequest, SchedulerOutput
 from kiln.runtime.sampling.sampler import Sampler, SamplingRow
 from kiln.runtime.speculative.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
@@ -61,10 +66,12 @@ logger = logging.getLogger("kiln.runtime")
 @dataclass
 class _HeadSequence:
     """What the head's cache holds for a request: positions [0, done) computed from the request's own tokens
-    (position j read token j + 1; `anchor` is token `done`, the last one read, to notice a change)."""
+    (position j read token j + 1; `anchor` is token `done`, the last one read, to notice a change), of which
+    [0, real) from the target's features (or found cached), none missing before them: what may be shared."""
 
     done: int = 0
     anchor: int = -1
+    real: int = 0
 
 
 @dataclass
@@ -88,7 +95,7 @@ class Eagle3Proposer:
         self.topk = topk  # > 1: tree drafts (eagle3_tree.py)
         self.runtime = runtime
         self.device = device
-        self.blocks = BlockManager(num_blocks, runtime.block_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(num_blocks, runtime.block_size)  # a prefix cache of the head's KV (module doc)
         self.cache = KVCache(head.config.layer, num_blocks, runtime.block_size, head.fc.weight.dtype, device)
         self.num_features = 3 * head.config.target_hidden_size
         self.sampler = Sampler()
@@ -176,6 +183,7 @@ class Eagle3Proposer:
                 grow_trees(self.tree_graphs, self.blocks.block_table, self._trees, work_left)
             while growing := [w for w in work if self._trees[w.request.request_id].search.frontier]:
                 grow(self, self._trees, growing)
+            self._share(work)
             trees, self._trees = self._trees, {}
             proposals = {}
             for request_id, tree in trees.items():
@@ -188,6 +196,7 @@ class Eagle3Proposer:
         rest = work_left if self.chain is None else draft_chains(self.chain, self.blocks.block_table, work_left)
         for _ in range(max((w.request.max_tokens for w in rest), default=1) - 1):
             self._decode([w for w in rest if len(w.drafts) < w.request.max_tokens])
+        self._share(work)
         proposals = {}
         for w in work:
             probs = torch.stack(w.probs) if w.probs else None  # [k, V]
@@ -226,33 +235,53 @@ class Eagle3Proposer:
         chunks = self._features.pop(request.request_id, [])
         if n < 2:
             return None
-        seq = self._sequences.setdefault(request.request_id, _HeadSequence())
-        if seq.done >= n or tokens[seq.done] != seq.anchor:
-            seq.done = 0
+        seq = self._sequences.get(request.request_id)
+        if seq is not None and (seq.done >= n or tokens[seq.done] != seq.anchor):
+            self.blocks.free(request.request_id)  # start over in fresh blocks: shared ones are never rewritten
+            seq = None
+        prefix = CachedPrefix()
+        if seq is None:
+            seq = self._sequences[request.request_id] = _HeadSequence()
+            prefix = self.blocks.find_cached_prefix(tokens[1:n], request.lora_int_id, _salt(tokens))
+            seq.done = seq.real = prefix.num_tokens  # <= N-2: a prefix never covers the last position
         # Position N-2 (reading the last token) is always computed: it gives the first draft.
         start = min(seq.done, n - 2)
         # Slots for positions 0..N-2 and for the drafts fed back (positions N-1 .. N+k-3).
         # (a tree feeds up to topk nodes a depth: eagle3_tree.py)
-        if not self.blocks.allocate(request.request_id, n - 1 + (request.max_tokens - 1) * self.topk):
+        if not self.blocks.allocate(request.request_id, n - 1 + (request.max_tokens - 1) * self.topk, prefix):
             # Its head cache goes (the next proposal starts over at position 0); the features kept stay.
             self.release(request.request_id)
             self._features[request.request_id] = chunks
             return None
         seq.done, seq.anchor = n - 1, tokens[n - 1]
-        features = self._gather(chunks, start, n - 1)
+        features, missing = self._gather(chunks, start, n - 1)
+        if seq.real >= start:  # real features up to start: now up to the first recomputed position without any
+            seq.real = missing
         # Position N-2's features stay: a request proposed for again with the same tokens (it was not scheduled
         # since) computes that position again.
         self._features[request.request_id] = [(n - 2, features[-1:])]
         return _Drafting(request, start, features, start)
 
-    def _gather(self, chunks: list[tuple[int, torch.Tensor]], start: int, end: int) -> torch.Tensor:
-        """[end - start, F]: the latest features of positions start..end-1 (zeros where none came)."""
+    def _gather(self, chunks: list[tuple[int, torch.Tensor]], start: int, end: int) -> tuple[torch.Tensor, int]:
+        """([end - start, F]: the latest features of positions start..end-1, zeros where none came; the first of
+        those positions with none, end if every one came)."""
         out = torch.zeros(end - start, self.num_features, dtype=self.head.fc.weight.dtype, device=self.device)
+        came = [False] * (end - start)
         for first, feats in chunks:  # oldest first: a later step's features of a position replace an earlier's
             lo, hi = max(first, start), min(first + len(feats), end)
             if lo < hi:
                 out[lo - start:hi - start] = feats[lo - first:hi - first]
-        return out
+                came[lo - start:hi - start] = [True] * (hi - lo)
+        return out, start + came.index(False) if False in came else end
+
+    def _share(self, work: list[_Drafting]) -> None:
+        """Registers each request's head blocks that real features filled (positions below N-1: drafts write past
+        them) in the head's prefix cache."""
+        for w in work:
+            tokens = w.request.token_ids
+            seq = self._sequences[w.request.request_id]
+            self.blocks.cache_full_blocks(w.request.request_id, tokens[1:], min(seq.real, len(tokens) - 1),
+                                          w.request.lora_int_id, _salt(tokens))
 
     def _row(self, w: _Drafting) -> SamplingRow:
         row = w.request.row
@@ -315,3 +344,8 @@ class Eagle3Proposer:
             w.hidden = hidden[i:i + 1]
             if probs is not None and not w.request.row.params.greedy:
                 w.probs.append(probs[i])
+
+
+def _salt(tokens: Sequence[int]) -> bytes:
+    """What a head block's contents depend on besides the shifted tokens its hash chains: the first token."""
+    return b"eagle3:%d" % tokens[0]

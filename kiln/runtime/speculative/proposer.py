@@ -28,6 +28,7 @@ class DraftRequest:
     max_tokens: int
     row: SamplingRow
     max_nodes: int = 0  # 0: a chain (max_tokens drafts)
+    lora_int_id: int = 0  # the LoRA adapter the target runs it with (0: the base model)
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class Speculator:
             if k:
                 by_id[request.request_id] = request
                 wanted.append(DraftRequest(request.request_id, request.all_token_ids, k, row_of(request.request_id),
-                                           self._max_nodes(request)))
+                                           self._max_nodes(request), request.lora_int_id))
         if not wanted:
             return
         for request_id, proposal in self.proposer.propose(wanted).items():

@@ -22,7 +22,8 @@ Columns (doors):
   ModelStreamInfer), triton_repo, triton_repo_stream (the model.py of `kiln triton-repo`, its `execute` driven
   through the stand-in pb_utils of tests/triton_stub).
 A cell a door cannot express is collected and skipped with its reason (`pytest -rs`): n > 1 outside the OpenAI
-API, speculation in the Triton repository model.
+API. The Triton repository model speculates as config.pbtxt's speculative_config says (`kiln triton-repo
+--speculative-*`).
 
 Cost: each engine, server and Triton model is made on first use and closed when a row that needs another one
 starts (`Matrix`), so a whole row shares one server; rows run in the order listed.
@@ -132,8 +133,6 @@ def unsupported(row: Row, door: str) -> str | None:
             return "n > 1: TensorRT-LLM's tensors have no n (a client sends batch rows instead)"
         if door not in OPENAI_DOORS:
             return "n > 1: SamplingParams has no n (the OpenAI server expands n into requests seeded seed + j)"
-    if row.speculation and door.startswith("triton_repo"):
-        return "speculation: config.pbtxt has no speculative-decoding parameter (serve/tritonserver/repository.py)"
     return None
 
 
@@ -261,7 +260,7 @@ class Matrix:
 
     def enter(self, row: Row) -> None:
         wanted = {"reference": row.engine, "spec_llm": (row.engine, row.speculation),
-                  "server": (row.engine, row.speculation), "triton": row.engine}
+                  "server": (row.engine, row.speculation), "triton": (row.engine, row.speculation)}
         for kind in list(self._live):
             if self._live[kind][0] != wanted[kind]:
                 self._close(kind)
@@ -294,8 +293,9 @@ class Matrix:
                          lambda s: s.stop(), row.engine)
 
     def triton_model(self, row: Row):
-        return self._get("triton", row.engine, lambda: load_triton_model(self.engines[row.engine],
-                                                                         self.tmp / f"triton-{row.engine}"),
+        return self._get("triton", (row.engine, row.speculation),
+                         lambda: load_triton_model(self.engines[row.engine], self.tmp / f"triton-{row.engine}",
+                                                   self.speculative_config(row)),
                          close_triton_model, row.engine)
 
     def prompt(self, row: Row, text: str, form: str) -> str:
@@ -331,11 +331,12 @@ def chat_messages(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def load_triton_model(engine: Path, repo: Path):
+def load_triton_model(engine: Path, repo: Path, speculative_config: SpeculativeConfig | None = None):
     """The repository's model.py imported and initialized as Triton's Python backend does (on the CPU)."""
     import importlib.util
 
-    model_dir = write_repository(engine, repo, model_name="m", force=True).model_dir
+    model_dir = write_repository(engine, repo, model_name="m", force=True,
+                                 speculative_config=speculative_config).model_dir
     spec = importlib.util.spec_from_file_location(f"kiln_triton_model_{time.monotonic_ns()}",
                                                   model_dir / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
@@ -595,8 +596,10 @@ def test_cell(matrix, row: Row, door: str):
         answer = DOOR_CALLS[door](matrix, row, case)
         problems += compare(answer, expected[i], case.params, f"case {i} ({case.prompt!r}, {form})")
     assert not problems, "\n".join(problems)
-    if row.speculation and not door.startswith("triton_repo"):  # the cell did speculate
-        stats = (matrix.llm(row) if door == "llm" else matrix.server(row).service.llm).speculation_stats()
+    if row.speculation:  # the cell did speculate
+        llm = (matrix.llm(row) if door == "llm" else matrix.triton_model(row).llm if door.startswith("triton_repo")
+               else matrix.server(row).service.llm)
+        stats = llm.speculation_stats()
         assert stats["num_accepted_tokens"] > 0, stats
 
 

@@ -26,7 +26,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("runtime")
     for f in dataclasses.fields(RuntimeOptions):
         if f.metadata.get("flags") == "speculative":
-            _add_speculative_args(p)
+            add_speculative_args(p)
             continue
         if "type" in f.metadata:
             g.add_argument(flag_of(f.name), dest=f.name, type=f.metadata["type"], default=f.default,
@@ -40,7 +40,8 @@ def _with_default(help: str, default) -> str:
     return help if default is None or "default" in help else f"{help} (default: {default})"
 
 
-def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """The speculative-decoding flags (speculative_config_of_args reads them)."""
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="a draft kiln engine (same vocabulary) that proposes tokens the engine verifies, or "
@@ -62,8 +63,12 @@ def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     """The RuntimeOptions the flags above ask for (a ValueError names a bad value or speculative-decoding flag)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RuntimeOptions)
               if f.name != "speculative_config"}
-    speculative = SpeculativeConfig.from_options(
+    return RuntimeOptions(**values, speculative_config=speculative_config_of_args(args))
+
+
+def speculative_config_of_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The SpeculativeConfig add_speculative_args' flags ask for (None: none; a ValueError names a bad flag)."""
+    return SpeculativeConfig.from_options(
         speculative_model=args.speculative_model, speculative_mode=args.speculative_mode,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         eagle_topk=args.speculative_eagle_topk, num_draft_tokens=args.speculative_num_draft_tokens)
-    return RuntimeOptions(**values, speculative_config=speculative)

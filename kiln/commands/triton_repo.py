@@ -14,6 +14,7 @@ def _bool(text: str) -> bool:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kiln.commands.runtime_args import add_speculative_args
     from kiln.serve.tritonserver.repository import LAYOUTS, SCHEDULER_POLICIES
 
     p = sub.add_parser(
@@ -55,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the prefix cache's disk tier below the host memory (needs --kv-cache-host-memory-bytes)")
     p.add_argument("--kv-offloading-disk-size", type=float, default=None, metavar="GIB",
                    help="GiB the disk tier may hold (runtime default 10)")
+    add_speculative_args(p)
     p.add_argument("--python-path", action="append", default=[], metavar="DIR",
                    help="a directory model.py puts first on the Python backend's sys.path (repeatable), e.g. one "
                         "made by `pip install --target DIR \"numpy<2\"` for a backend stub built for numpy 1")
@@ -70,6 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kiln.commands.runtime_args import speculative_config_of_args
     from kiln.serve.tritonserver.repository import write_repository
 
     model = write_repository(
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         record_site=args.record_site, enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras, layout=args.layout,
         kv_cache_host_memory_bytes=args.kv_cache_host_memory_bytes, kv_offloading_dir=args.kv_offloading_dir,
-        kv_offloading_disk_size=args.kv_offloading_disk_size)
+        kv_offloading_disk_size=args.kv_offloading_disk_size, speculative_config=speculative_config_of_args(args))
     repo = model.model_dir.parent
     print(f"wrote {model.config_file} (python backend, decoupled, max_batch_size {model.max_batch_size}, "
           f"{model.instance_kind})")

@@ -255,14 +255,15 @@ def runtime_options_of(params: BackendParameters, device: str, max_batch_size: i
     """The RuntimeOptions config.pbtxt asks for: its `max_batch_size`, the instance's device, the parameters
     under TensorRT-LLM's names (enable_kv_cache_reuse, kv_cache_free_gpu_mem_fraction, batch_scheduler_policy)
     kiln's LoRA options (enable_lora, max_loras, max_lora_rank, max_cpu_loras) and the prefix cache's host and disk
-    tiers (kv_cache_host_memory_bytes, kv_offloading_dir, kv_offloading_disk_size); the rest are defaults."""
+    tiers (kv_cache_host_memory_bytes, kv_offloading_dir, kv_offloading_disk_size) and speculative decoding
+    (speculative_config); the rest are defaults."""
     from kiln.runtime import RuntimeOptions
 
     return RuntimeOptions(device=device, max_batch_size=max_batch_size,
                           enable_prefix_caching=params.enable_kv_cache_reuse,
                           kv_cache_memory_fraction=params.kv_cache_free_gpu_mem_fraction,
                           capacity_scheduler_policy=params.batch_scheduler_policy, **params.lora_options(),
-                          **params.offloading_options())
+                          **params.offloading_options(), **params.speculative_options())
 
 
 def error_response(message: str, code: str):

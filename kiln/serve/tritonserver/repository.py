@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from kiln.engine_format import load_engine_spec
 from kiln.engine_format.staging import staged_directory
+from kiln.runtime.speculative import SpeculativeConfig, speculative_config_of
 from kiln.serve.tritonserver.model_files import ENV_FILE, MODEL_SOURCE, check_target
 
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
@@ -52,6 +54,8 @@ class BackendParameters:
     `kv_cache_host_memory_bytes` is TensorRT-LLM's host cache for block reuse: the bytes of host memory the prefix
     cache's evicted blocks move to (the runtime's kv_offloading_size, in GiB); `kv_offloading_dir` and
     `kv_offloading_disk_size` (GiB) are kiln's disk tier below it (RuntimeOptions; absent: off, and its default).
+    `speculative_config` is kiln's: speculative decoding as `LLM(speculative_config=...)` takes it, a JSON object
+    (vLLM's keys: method, model (an absolute path), num_speculative_tokens, ...; absent: off).
     """
 
     engine_dir: str  # absolute path
@@ -66,6 +70,7 @@ class BackendParameters:
     kv_cache_host_memory_bytes: int | None = None
     kv_offloading_dir: str | None = None
     kv_offloading_disk_size: float | None = None
+    speculative_config: str | None = None  # a JSON object
 
     def __post_init__(self) -> None:
         if not Path(self.engine_dir).is_absolute():
@@ -90,6 +95,24 @@ class BackendParameters:
                              f"(--kv-cache-host-memory-bytes): the disk tier holds what the host memory evicts")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora={self.enable_lora!r} must be true or false")
+        if self.speculative_config is not None:
+            self.speculative_options()  # a ValueError names what is wrong with it
+
+    def speculative_options(self) -> dict:
+        """The RuntimeOptions field of speculative decoding that config.pbtxt sets ({} for none)."""
+        if self.speculative_config is None:
+            return {}
+        try:
+            fields = json.loads(self.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config={self.speculative_config!r} is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"speculative_config={self.speculative_config!r} must be a JSON object, e.g. "
+                             f'{{"method": "ngram", "num_speculative_tokens": 4}}')
+        config = SpeculativeConfig.from_dict(fields)  # ValueError: an unknown key or a bad value, by name
+        if config.model is not None and not Path(config.model).is_absolute():
+            raise ValueError(f"speculative_config's model {config.model!r} must be an absolute path")
+        return {"speculative_config": config}
 
     def lora_options(self) -> dict:
         """The RuntimeOptions fields of LoRA that config.pbtxt sets (the others keep the runtime's defaults)."""
@@ -115,6 +138,8 @@ class BackendParameters:
                 strings[name] = str(getattr(self, name))
         if self.enable_lora:
             strings["enable_lora"] = "true"
+        if self.speculative_config is not None:
+            strings["speculative_config"] = self.speculative_config
         return strings
 
     @classmethod
@@ -152,6 +177,8 @@ class BackendParameters:
         if values.get("enable_lora", "").strip():
             text = values["enable_lora"]
             kwargs["enable_lora"] = _BOOLS.get(text.strip().lower(), text)
+        if values.get("speculative_config", "").strip():
+            kwargs["speculative_config"] = values["speculative_config"].strip()
         return cls(**kwargs)
 
 
@@ -201,7 +228,8 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                      max_lora_rank: int | None = None, max_cpu_loras: int | None = None,
                      layout: str = "single", kv_cache_host_memory_bytes: int | None = None,
                      kv_offloading_dir: str | None = None,
-                     kv_offloading_disk_size: float | None = None) -> TritonModel:
+                     kv_offloading_disk_size: float | None = None,
+                     speculative_config: SpeculativeConfig | dict | None = None) -> TritonModel:
     """Writes REPO/NAME (NAME defaults to the engine directory's name). An existing non-empty REPO/NAME is
     replaced only with `force`, and only if it is a Triton model (has a config.pbtxt). Raises EngineError
     for a directory that is not a kiln engine and ValueError for anything else it refuses.
@@ -209,7 +237,8 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
     `python_path` (e.g. a directory with numpy<2 for Triton's Python-backend stub) and, with `record_site`,
     this Python's site directories are recorded in kiln_env.json: model.py puts them first on sys.path, and
     imports kiln from this kiln's package directory (also recorded with `record_site`). `enable_lora` and the
-    LoRA limits, and the prefix cache's host and disk tiers, go to config.pbtxt for the runtime (BackendParameters). `layout="ensemble"` writes TensorRT-LLM
+    LoRA limits, the prefix cache's host and disk tiers and `speculative_config` (a SpeculativeConfig or its dict; its
+    model's path made absolute) go to config.pbtxt for the runtime (BackendParameters). `layout="ensemble"` writes TensorRT-LLM
     backend's five models instead (layout.py, layout_repository.py; REPO/tensorrt_llm is the model_dir returned)."""
     import kiln
 
@@ -243,13 +272,14 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
                                # absolute: tritonserver runs model.py from another directory
                                kv_offloading_dir=None if kv_offloading_dir is None else
                                str(Path(kv_offloading_dir).resolve()),
-                               kv_offloading_disk_size=kv_offloading_disk_size)
+                               kv_offloading_disk_size=kv_offloading_disk_size,
+                               speculative_config=_speculative_json(speculative_config))
     if not enable_lora and any(v is not None for v in (max_loras, max_lora_rank, max_cpu_loras)):
         raise ValueError("--max-loras, --max-lora-rank and --max-cpu-loras need --enable-lora")
     from kiln.runtime import RuntimeOptions
 
     # Refused now (a ValueError naming the field), not at Triton's load.
-    RuntimeOptions(**params.lora_options(), **params.offloading_options(),
+    RuntimeOptions(**params.lora_options(), **params.offloading_options(), **params.speculative_options(),
                    enable_prefix_caching=params.enable_kv_cache_reuse)
     kind = "KIND_GPU" if spec.target.get("device_type") == "cuda" else "KIND_CPU"
 
@@ -274,6 +304,19 @@ def write_repository(engine_dir: str | Path, repo: str | Path, *, model_name: st
         shutil.copyfile(MODEL_SOURCE, staging / "1" / "model.py")
         (staging / "1" / ENV_FILE).write_text(json.dumps(recorded, indent=2) + "\n")
     return TritonModel(target, target / "config.pbtxt", target / "1" / "model.py", max_batch_size, kind, paths)
+
+
+def _speculative_json(config: SpeculativeConfig | dict | None) -> str | None:
+    """config.pbtxt's speculative_config: the config's fields that differ from their defaults, as JSON, the model's
+    path absolute (tritonserver runs model.py from another directory)."""
+    config = speculative_config_of(config)
+    if config is None:
+        return None
+    if config.model is not None:
+        config = dataclasses.replace(config, model=str(Path(config.model).resolve()))
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    return json.dumps({k: v for k, v in dataclasses.asdict(config).items()
+                       if k in ("method", "num_speculative_tokens") or v != defaults[k]})
 
 
 def _config_text(name: str, max_batch_size: int, kind: str, params: BackendParameters, engine_dir: Path) -> str:

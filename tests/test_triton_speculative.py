@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -85,8 +86,6 @@ def test_a_real_triton_server_speculates_and_returns_the_greedy_completion(tiny_
         server.wait_ready("spec", 180)
         for prompt, reference in zip(prompts, references):
             body = json.dumps({"text_input": prompt, "max_tokens": 16, "return_perf_metrics": True}).encode()
-            import urllib.request
-
             request = urllib.request.Request(f"{server.http_base}/v2/models/spec/generate", data=body,
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as response:

@@ -72,6 +72,7 @@ class _HeadSequence:
     done: int = 0
     anchor: int = -1
     real: int = 0
+    shared: int = 0  # its full blocks registered in the head's prefix cache (or found there)
 
 
 @dataclass
@@ -244,6 +245,7 @@ class Eagle3Proposer:
             seq = self._sequences[request.request_id] = _HeadSequence()
             prefix = self.blocks.find_cached_prefix(tokens[1:n], request.lora_int_id, _salt(tokens))
             seq.done = seq.real = prefix.num_tokens  # <= N-2: a prefix never covers the last position
+            seq.shared = len(prefix.block_ids)
         # Position N-2 (reading the last token) is always computed: it gives the first draft.
         start = min(seq.done, n - 2)
         # Slots for positions 0..N-2 and for the drafts fed back (positions N-1 .. N+k-3).
@@ -276,12 +278,16 @@ class Eagle3Proposer:
 
     def _share(self, work: list[_Drafting]) -> None:
         """Registers each request's head blocks that real features filled (positions below N-1: drafts write past
-        them) in the head's prefix cache."""
+        them) in the head's prefix cache, once a block is full (not every step: the tokens are sliced only then)."""
+        bs = self.blocks.block_size
         for w in work:
             tokens = w.request.token_ids
             seq = self._sequences[w.request.request_id]
-            self.blocks.cache_full_blocks(w.request.request_id, tokens[1:], min(seq.real, len(tokens) - 1),
-                                          w.request.lora_int_id, _salt(tokens))
+            full = min(seq.real, len(tokens) - 1) // bs
+            if full > seq.shared:
+                self.blocks.cache_full_blocks(w.request.request_id, tokens[1:full * bs + 1], full * bs,
+                                              w.request.lora_int_id, _salt(tokens))
+                seq.shared = full
 
     def _row(self, w: _Drafting) -> SamplingRow:
         row = w.request.row
